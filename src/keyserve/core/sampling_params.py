@@ -1,0 +1,94 @@
+"""Per-request generation parameters, validated at the edge.
+
+An invalid value raises ``pydantic.ValidationError`` whose message names the field and the
+allowed range; the engine never sees it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+KVPolicyName = Literal["full", "window", "streaming_llm", "h2o", "keyformer"]
+
+
+class SamplingParams(BaseModel):
+    """What to sample and when to stop (OpenAI's fields plus vLLM's and keyserve's own)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n: int = Field(1, ge=1, le=64, description="Samples per prompt; they share the prompt's KV.")
+    max_tokens: int = Field(16, ge=1, le=1_000_000, description="Tokens to generate at most.")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p * p_max.")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="Per-request seed.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings (not included).")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop tokens.")
+    ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")
+    logprobs: bool = Field(False, description="Return the log-probability of each chosen token.")
+
+    # KV budgets (SPEC §2).
+    kv_policy: KVPolicyName | None = Field(
+        None, description="KV eviction policy; None takes the server-wide default."
+    )
+    kv_budget: float | None = Field(
+        None,
+        gt=0.0,
+        description="Tokens kept per (layer, kv-head): a fraction of the prompt if <= 1, "
+        "else an absolute token count.",
+    )
+    recent_ratio: float = Field(0.3, ge=0.0, le=1.0, description="Share of the budget kept recent.")
+    tau_init: float = Field(1.0, gt=0.0, description="Keyformer's initial Gumbel temperature.")
+    tau_end: float = Field(2.0, gt=0.0, description="Keyformer's final Gumbel temperature.")
+
+    # Speculative sampling (SPEC §3).
+    speculative: bool | None = Field(
+        None, description="Use the draft model; None follows the engine's default."
+    )
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, le=16, description="Draft tokens per step (K); None uses the engine's."
+    )
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: object) -> object:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: list[str]) -> list[str]:
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("kv_budget")
+    @classmethod
+    def _integral_absolute_budget(cls, value: float | None) -> float | None:
+        if value is not None and value > 1.0 and value != int(value):
+            raise ValueError("kv_budget above 1 is a token count and must be a whole number")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SamplingParams":
+        if self.tau_end < self.tau_init:
+            raise ValueError("tau_end must be >= tau_init")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def budget_tokens(self, prompt_len: int) -> int | None:
+        """The budget k in tokens for a prompt of ``prompt_len`` tokens, or None (no budget)."""
+        if self.kv_budget is None or self.kv_policy in (None, "full"):
+            return None
+        if self.kv_budget <= 1.0:
+            return max(1, int(round(self.kv_budget * prompt_len)))
+        return int(self.kv_budget)

@@ -1,0 +1,89 @@
+"""A request's state as the scheduler and block manager see it."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from keyserve.core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # cancelled by the caller (e.g. an HTTP client disconnected)
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One token stream: a prompt and what has been generated after it.
+
+    ``num_computed_tokens`` counts tokens whose K/V are in the cache (prefix-cache hits
+    included); the scheduler schedules ``num_tokens - num_computed_tokens`` more. After a
+    preemption it drops to 0 and the whole stream is recomputed.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float = 0.0
+    sample_index: int = 0  # which of the request's n samples this is
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit tokens at the last admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hashes of full computed blocks
+    num_preemptions: int = 0
+    # n > 1: siblings wait until the first sample's prompt is computed, then fork from it.
+    fork_parent: "Sequence | None" = None
+    # Stop strings: the text emitted so far is kept by the detokenizer, not here.
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than the newest token still needs computing."""
+        return self.num_uncomputed_tokens > 1
+
+    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)

@@ -1,0 +1,1 @@
+"""keyserve.engine."""

@@ -1,0 +1,90 @@
+"""The one attention entry point the model calls: write K/V, then paged attention.
+
+CUDA tensors go to the Triton kernels; CPU tensors to the pure-torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from keyserve.kernels import reference
+from keyserve.kernels.metadata import AttentionMetadata
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if not t.is_cuda:
+        return False
+    from keyserve.kernels import paged_attention  # noqa: F401  (imports triton lazily)
+
+    return True
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] or [num_tokens, num_kv_heads]
+) -> None:
+    if _use_triton(key):
+        from keyserve.kernels.paged_attention import write_kv as triton_write_kv
+
+        triton_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    layer_idx: int,
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Store this step's K/V, then attend decode tokens and prefill chunks to their caches."""
+    write_kv(key, value, k_cache, v_cache, meta.layer_slot_mapping(layer_idx))
+    n_dec = meta.num_decode_seqs
+    triton = _use_triton(query)
+    if triton:
+        from keyserve.kernels import paged_attention as kernels
+
+        decode_fn, prefill_fn = kernels.paged_decode_attention, kernels.paged_prefill_attention
+    else:
+        decode_fn = reference.paged_decode_attention_reference
+        prefill_fn = reference.paged_prefill_attention_reference
+    tau = meta.tau
+    outs = []
+    dec_scores = pre_scores = None
+    if n_dec:
+        out, dec_scores = decode_fn(
+            query[:n_dec],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            sliding_window=meta.sliding_window,
+            score_mode=meta.score_mode,
+            tau=None if tau is None else tau[:n_dec],
+        )
+        outs.append(out)
+    if meta.num_prefill_seqs:
+        out, pre_scores = prefill_fn(
+            query[n_dec:],
+            k_cache,
+            v_cache,
+            meta.prefill_block_tables,
+            meta.prefill_query_start_loc,
+            meta.prefill_context_lens,
+            scale,
+            sliding_window=meta.sliding_window,
+            score_mode=meta.score_mode,
+            tau=None if tau is None else tau[n_dec:],
+        )
+        outs.append(out)
+    if meta.score_mode is not None:
+        meta.scores[layer_idx] = (dec_scores, pre_scores)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

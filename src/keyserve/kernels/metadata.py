@@ -1,0 +1,45 @@
+"""What one forward step tells every attention layer about the batch.
+
+Tokens are packed ``[decode tokens | prefill tokens]``: the first ``num_decode_seqs`` sequences
+contribute exactly one query token each; the remaining sequences contribute a chunk of one or
+more query tokens (prompt chunks, recomputation after preemption, speculative verification).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from keyserve.kernels.reference import ScoreMode
+
+
+@dataclass
+class AttentionMetadata:
+    # [num_tokens] int64 physical slot of every token's K/V (same in every layer), or
+    # [num_layers, num_tokens, num_kv_heads] when KV budgets write per (layer, head); < 0 = skip.
+    slot_mapping: torch.Tensor
+    num_decode_seqs: int
+    decode_block_tables: torch.Tensor  # [num_decode_seqs, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [num_decode_seqs] int32, slots incl. the new token
+    prefill_block_tables: torch.Tensor  # [num_prefill_seqs, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor  # [num_prefill_seqs + 1] int32, relative to prefill part
+    prefill_context_lens: torch.Tensor  # [num_prefill_seqs] int32, slots incl. the chunk
+    sliding_window: int | None = None  # layers of a sliding-window model, when slot == position
+    # Score output for KV budgets: None, "softmax" (H2O) or "gumbel" (Keyformer).
+    score_mode: ScoreMode | None = None
+    tau: torch.Tensor | None = None  # [num_seqs] float32, decode seqs first then prefill seqs
+    # Filled by the attention layers when score_mode is set: layer -> (decode_scores
+    # [num_decode_seqs, num_kv_heads, max_ctx] | None, prefill_scores [num_prefill_seqs,
+    # num_kv_heads, max_ctx] | None).
+    scores: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)
+
+    @property
+    def num_prefill_seqs(self) -> int:
+        return int(self.prefill_block_tables.shape[0])
+
+    def layer_slot_mapping(self, layer_idx: int) -> torch.Tensor:
+        """[num_tokens] or [num_tokens, num_kv_heads] slots for one layer."""
+        if self.slot_mapping.dim() == 3:
+            return self.slot_mapping[layer_idx]
+        return self.slot_mapping
