@@ -48,6 +48,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of full computed blocks
     num_preemptions: int = 0
+    # KV budgets: the most KV slots this sequence may hold (None = one slot per token). Set by
+    # the KV-policy layer; the block manager never allocates blocks beyond it.
+    kv_slot_cap: int | None = None
     # n > 1: siblings wait until the first sample's prompt is computed, then fork from it.
     fork_parent: "Sequence | None" = None
     # Stop strings: the text emitted so far is kept by the detokenizer, not here.
@@ -69,6 +72,15 @@ class Sequence:
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def kv_slots_for(self, num_tokens: int) -> int:
+        """KV slots needed to hold ``num_tokens`` computed tokens under this sequence's cap."""
+        return num_tokens if self.kv_slot_cap is None else min(num_tokens, self.kv_slot_cap)
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """A sequence whose KV is compressed must never offer its blocks as a cached prefix."""
+        return self.kv_slot_cap is None
 
     @property
     def num_uncomputed_tokens(self) -> int:

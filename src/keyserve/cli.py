@@ -1,0 +1,140 @@
+"""The ``keyserve`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local HF directory, GGUF file, or default model name")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False if args.no_prefix_caching else None,
+    )
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--logprobs", action="store_true")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from keyserve.core.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        n=args.n,
+        stop=args.stop,
+        logprobs=args.logprobs,
+    )
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    with open(args.prompts_file) as f:
+        lines = [line.rstrip("\n") for line in f]
+    prompts = []
+    for line in lines:
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            prompts.append(json.loads(line)["prompt"])
+        else:
+            prompts.append(line)
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from keyserve.llm import LLM
+
+    params = _sampling_params(args)
+    prompts = _read_prompts(args)
+    llm = LLM(**_engine_options(args))
+    outputs = llm.generate(prompts, params, chat=args.chat, use_tqdm=len(prompts) > 1)
+    for out in outputs:
+        if args.json:
+            print(json.dumps(out.to_dict(), ensure_ascii=False))
+        else:
+            for o in out.outputs:
+                print(o.text)
+            st = out.stats
+            rate = f"{st.tokens_per_s:.1f} tok/s" if st.tokens_per_s else "n/a"
+            print(
+                f"[{st.prompt_tokens} prompt + {st.generated_tokens} generated tokens, "
+                f"TTFT {st.time_to_first_token_s:.3f}s, {rate}, finish={out.finish_reason}]",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="keyserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text from prompts (in-process engine)")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt")
+    src.add_argument("--prompts-file", help="a file: one prompt per line, or JSONL with 'prompt'")
+    gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValidationError as e:
+        errs = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc']) or 'value'}: {err['msg']}" for err in e.errors()
+        )
+        print(f"keyserve: invalid value: {errs}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:
+        print(f"keyserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

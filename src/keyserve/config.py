@@ -1,0 +1,97 @@
+"""keyserve's configuration: pydantic models with a description on every field.
+
+The same models validate CLI flags, Python keyword arguments, YAML files and (later) the
+``args`` of a Ray Serve / KubeRay deployment, so a bad value fails the same way everywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from keyserve.core.sampling_params import KVPolicyName
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class ModelConfig(_Strict):
+    model: str = Field(
+        DEFAULT_MODEL,
+        description="A local Hugging Face directory, a GGUF file, or the default model's name.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights and KV-cache dtype (float16 only on CUDA)."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
+    max_model_len: int | None = Field(
+        None, ge=2, description="Context length limit; defaults to the model's own."
+    )
+
+
+class CacheConfig(_Strict):
+    block_size: int = Field(16, ge=1, le=256, description="Token slots per KV block.")
+    num_blocks: int | None = Field(
+        None, ge=2, description="KV blocks in the pool; overrides kv_cache_memory_gb."
+    )
+    kv_cache_memory_gb: float = Field(
+        2.0, gt=0.0, description="Memory for the KV pool when num_blocks is not given."
+    )
+    enable_prefix_caching: bool = Field(True, description="Reuse KV of identical prefixes.")
+    default_kv_policy: KVPolicyName = Field(
+        "full", description="KV policy for requests that do not name one."
+    )
+    default_kv_budget: float | None = Field(
+        None, gt=0.0, description="KV budget for requests that do not give one."
+    )
+
+
+class SchedulerSettings(_Strict):
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Tokens computed per step (prefill chunk budget)."
+    )
+    max_num_seqs: int = Field(64, ge=1, description="Sequences running at once.")
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
+
+
+class EngineConfig(_Strict):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    seed: int = Field(0, ge=0, description="Seed of the global RNG (unseeded requests).")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "EngineConfig":
+        with open(path) as f:
+            return cls.model_validate(yaml.safe_load(f) or {})
+
+    @classmethod
+    def from_flat(cls, **kwargs: object) -> "EngineConfig":
+        """Build from flat keyword arguments (``model=..., block_size=..., max_num_seqs=...``),
+        routing each to its section; an unknown name is an error."""
+        sections: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}}
+        top: dict[str, object] = {}
+        owners = {
+            "model": ModelConfig.model_fields,
+            "cache": CacheConfig.model_fields,
+            "scheduler": SchedulerSettings.model_fields,
+        }
+        for key, value in kwargs.items():
+            if value is None:
+                continue
+            for section, fields in owners.items():
+                if key in fields:
+                    sections[section][key] = value
+                    break
+            else:
+                if key in cls.model_fields and key not in owners:
+                    top[key] = value
+                else:
+                    raise ValueError(f"unknown engine option {key!r}")
+        return cls.model_validate({**sections, **top})

@@ -1,0 +1,179 @@
+"""Block tables on top of the block pool: allocate on demand, prefix hits, fork, copy-on-write.
+
+Every method either succeeds completely or changes nothing (so the scheduler can try an
+allocation and preempt when it fails). Copies that copy-on-write requires are returned as
+``(src_block_id, dst_block_id)`` pairs for the model runner to execute before the next forward.
+"""
+
+from __future__ import annotations
+
+from keyserve.core.block_pool import BlockPool, KVBlock
+from keyserve.core.sequence import Sequence
+
+BlockCopy = tuple[int, int]
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple = ()) -> int:
+    """Chained block hash h_i = H(h_{i-1}, tokens_i, extra): equal hashes imply equal prefixes
+    (modulo collisions, which the pool rules out by comparing tokens on a hit)."""
+    return hash((parent_hash, token_ids, extra_keys))
+
+
+class BlockManager:
+    """Owns the mapping from sequences to physical blocks (one pool for all layers)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # tokens found there
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_for_slots(self, num_slots: int) -> int:
+        return -(-num_slots // self.block_size)
+
+    def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
+        start = index * self.block_size
+        return tuple(seq.token_at(i) for i in range(start, start + self.block_size))
+
+    def _chain_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+        """Hashes of the first ``num_full_blocks`` full blocks, extending ``seq.block_hashes``."""
+        hashes = seq.block_hashes
+        while len(hashes) < num_full_blocks:
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, self._block_tokens(seq, len(hashes))))
+        return hashes[:num_full_blocks]
+
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+        """The longest run of leading full blocks already cached, never the whole sequence
+        (at least one token must be computed to produce logits)."""
+        if not self.pool.enable_prefix_caching or seq.block_table:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for i, block_hash in enumerate(self._chain_hashes(seq, max_blocks)):
+            block = self.pool.lookup(block_hash, self._block_tokens(seq, i))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # ------------------------------------------------------------- allocation
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, cached_prefix: list[KVBlock] | None = None
+    ) -> list[BlockCopy] | None:
+        """Make room for ``num_new_tokens`` more computed tokens (after taking ``cached_prefix``
+        hits, for a sequence being admitted). Returns the copy-on-write copies, or None, with
+        nothing changed, when the pool is too small."""
+        cached_prefix = cached_prefix or []
+        if cached_prefix and seq.block_table:
+            raise ValueError("a cached prefix can only be attached to a sequence without blocks")
+        num_cached_tokens = len(cached_prefix) * self.block_size
+        computed = seq.num_computed_tokens + num_cached_tokens
+        slots_now = seq.kv_slots_for(computed)
+        slots_after = seq.kv_slots_for(computed + num_new_tokens)
+        held = len(seq.block_table) + len(cached_prefix)
+        new_blocks = max(0, self.blocks_for_slots(slots_after) - held)
+        # The first slot written lies in the current last block if that block is partly filled
+        # (or, under a KV budget, anywhere among the held blocks): copy it first if it is shared.
+        cow = self._shared_blocks_written(seq, slots_now, slots_after)
+        # Cached blocks with ref 0 sit in the free queue; acquiring them shrinks it.
+        revived = sum(1 for b in cached_prefix if b.ref_cnt == 0)
+        if new_blocks + len(cow) > self.pool.num_free_blocks - revived:
+            return None
+        for block in cached_prefix:
+            self.pool.acquire(block)
+            seq.block_table.append(block.block_id)
+        if cached_prefix:
+            seq.num_computed_tokens = computed
+            seq.num_cached_tokens = num_cached_tokens
+            self.prefix_hits += num_cached_tokens
+        copies = [self._copy_on_write(seq, index) for index in cow]
+        for _ in range(new_blocks):
+            seq.block_table.append(self.pool.allocate().block_id)
+        return copies
+
+    def _shared_blocks_written(self, seq: Sequence, slots_now: int, slots_after: int) -> list[int]:
+        """Indices in the block table of shared blocks that the next writes touch."""
+        if seq.kv_slot_cap is not None and slots_now >= seq.kv_slot_cap:
+            # At its budget, a sequence writes into evicted slots anywhere in its blocks.
+            indices = range(len(seq.block_table))
+        else:
+            first = slots_now // self.block_size
+            last = min(self.blocks_for_slots(slots_after), len(seq.block_table))
+            indices = range(first, last)
+        return [i for i in indices if self.pool.blocks[seq.block_table[i]].ref_cnt > 1]
+
+    def _copy_on_write(self, seq: Sequence, index: int) -> BlockCopy:
+        old = self.pool.blocks[seq.block_table[index]]
+        new = self.pool.allocate()
+        self.pool.release(old)
+        seq.block_table[index] = new.block_id
+        return (old.block_id, new.block_id)
+
+    def make_writable(self, seq: Sequence, block_indices: list[int]) -> list[BlockCopy] | None:
+        """Copy-on-write for in-place edits of held blocks (KV-budget compaction); also
+        withdraws the sequence's own blocks from the prefix index. None if the pool is short."""
+        shared = [i for i in block_indices if self.pool.blocks[seq.block_table[i]].ref_cnt > 1]
+        if len(shared) > self.pool.num_free_blocks:
+            return None
+        copies = [self._copy_on_write(seq, i) for i in shared]
+        for i in block_indices:
+            self.pool.uncache(self.pool.blocks[seq.block_table[i]])
+        return copies
+
+    def commit_computed(self, seq: Sequence) -> None:
+        """Offer the sequence's newly completed full blocks to the prefix cache."""
+        if not self.pool.enable_prefix_caching or not seq.prefix_cacheable:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        hashes = self._chain_hashes(seq, num_full)
+        for i in range(num_full):
+            block = self.pool.blocks[seq.block_table[i]]
+            if block.block_hash is None:
+                self.pool.cache_block(block, hashes[i], self._block_tokens(seq, i))
+
+    def note_prefix_query(self, num_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+
+    # ------------------------------------------------------------ sharing/free
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares all of ``parent``'s blocks; the first write into a shared block
+        copies it."""
+        if child.block_table:
+            raise ValueError("fork target already holds blocks")
+        for block_id in parent.block_table:
+            self.pool.acquire(self.pool.blocks[block_id])
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+
+    def truncate(self, seq: Sequence, num_slots: int) -> None:
+        """Keep only the blocks that hold the first ``num_slots`` slots (speculative rollback,
+        KV-budget compaction)."""
+        keep = self.blocks_for_slots(num_slots)
+        while len(seq.block_table) > keep:
+            self.pool.release(self.pool.blocks[seq.block_table.pop()])
+        num_full = num_slots // self.block_size
+        if len(seq.block_hashes) > num_full:
+            del seq.block_hashes[num_full:]
+
+    def free(self, seq: Sequence) -> None:
+        """Release all of a sequence's blocks, tail first so the tail is evicted first."""
+        for block_id in reversed(seq.block_table):
+            self.pool.release(self.pool.blocks[block_id])
+        seq.block_table = []
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()

@@ -1,0 +1,144 @@
+"""Logits → processed probabilities → sampled tokens, vectorised over the batch.
+
+Per-request randomness comes from a per-sequence ``torch.Generator`` seeded from the request
+seed and the sample index, so a seeded request gives the same tokens whatever else shares its
+batch, and a preempted request resamples nothing (its generator only advances per new token).
+Sampling is an exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which is exactly a draw
+from ``p`` and needs one noise vector per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from keyserve.core.sampling_params import SamplingParams
+
+_MASKED = float("-inf")
+
+
+@dataclass
+class SamplingTensors:
+    """The batch's sampling parameters as tensors (rows = sequences)."""
+
+    temperature: torch.Tensor  # [num_seqs] float32; 0 = greedy
+    top_k: torch.Tensor  # [num_seqs] int64; 0 = off
+    top_p: torch.Tensor  # [num_seqs] float32
+    min_p: torch.Tensor  # [num_seqs] float32
+    all_greedy: bool
+    any_top_k_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "SamplingTensors":
+        temps = [p.temperature for p in params]
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            all_greedy=all(t == 0.0 for t in temps),
+            any_top_k_top_p=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
+            any_min_p=any(m > 0.0 for m in min_p),
+        )
+
+    def expand(self, repeats: int) -> "SamplingTensors":
+        """Each row repeated ``repeats`` times (speculative positions of one sequence)."""
+        rep = lambda t: t.repeat_interleave(repeats)  # noqa: E731
+        return SamplingTensors(
+            rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.min_p),
+            self.all_greedy, self.any_top_k_top_p, self.any_min_p,
+        )
+
+
+def processed_logits(
+    logits: torch.Tensor,  # [num_rows, vocab] float32
+    st: SamplingTensors,
+) -> torch.Tensor:  # [num_rows, vocab] float32, masked tokens = -inf
+    """Temperature, then top-k, top-p and min-p masks. Greedy rows are returned unscaled."""
+    greedy = st.temperature == 0.0
+    temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    out = logits / temp[:, None]
+    if st.any_top_k_top_p:
+        out = _apply_top_k_top_p(out, st.top_k, st.top_p)
+    if st.any_min_p:
+        probs = torch.softmax(out, dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * st.min_p[:, None]
+        out = out.masked_fill(probs < threshold, _MASKED)
+    return out
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor,  # [num_rows, vocab]
+    top_k: torch.Tensor,  # [num_rows] int64, 0 = off
+    top_p: torch.Tensor,  # [num_rows] float32
+) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    drop = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, _MASKED)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = mass_before >= top_p[:, None]
+    drop[:, 0] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(drop, _MASKED)
+    return torch.full_like(logits, _MASKED).scatter(-1, order, sorted_logits)
+
+
+def processed_probs(
+    logits: torch.Tensor,  # [num_rows, vocab] float32
+    st: SamplingTensors,
+) -> torch.Tensor:  # [num_rows, vocab] float32
+    """The distribution each row samples from; greedy rows are one-hot on the argmax."""
+    probs = torch.softmax(processed_logits(logits, st), dim=-1)
+    greedy = st.temperature == 0.0
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def exponential_noise(
+    num_rows: int, vocab: int, generators: list[torch.Generator | None], device: torch.device | str
+) -> torch.Tensor:  # [num_rows, vocab] float32
+    """Exp(1) noise; rows with a generator draw from it, the rest from the global RNG."""
+    noise = torch.empty(num_rows, vocab, device=device).exponential_()
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            noise[row].exponential_(generator=gen)
+    return noise
+
+
+def sample(
+    logits: torch.Tensor,  # [num_seqs, vocab] float32 raw model logits
+    st: SamplingTensors,
+    generators: list[torch.Generator | None],
+    want_logprobs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # tokens [num_seqs] int64, logprobs [num_seqs]
+    """Sample one token per row. Logprobs are of the raw model distribution."""
+    if st.all_greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = torch.softmax(processed_logits(logits, st), dim=-1)
+        noise = exponential_noise(logits.shape[0], logits.shape[1], generators, logits.device)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(st.temperature == 0.0, logits.argmax(dim=-1), sampled)
+    logprobs = None
+    if want_logprobs:
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    return tokens, logprobs
+
+
+def make_generator(seed: int | None, sample_index: int, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A per-sequence generator for seeded requests (None: use the global RNG)."""
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(hash((seed, sample_index)) & 0x7FFF_FFFF_FFFF_FFFF)
+    return gen

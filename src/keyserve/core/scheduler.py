@@ -1,0 +1,166 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Each step has a token budget. Running sequences go first, oldest first (a decode costs one
+token, an unfinished prompt gets the next chunk); then waiting sequences are admitted in arrival
+order while the budget and the block pool allow. When blocks run out, the newest running
+sequence is preempted: its blocks are freed and it returns to the head of the queue to be
+recomputed later. Because priority is arrival order, the oldest request always makes progress:
+nothing starves and nothing deadlocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from keyserve.core.block_manager import BlockCopy, BlockManager
+from keyserve.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # query tokens this step; K/V of tokens [computed, computed + n)
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def completes(self) -> bool:
+        """After this step every token is computed, so the last position yields a sample."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class StepPlan:
+    decode: list[ScheduledSeq] = field(default_factory=list)  # one query token each
+    prefill: list[ScheduledSeq] = field(default_factory=list)  # chunks of >= 2 tokens
+    blocks_to_copy: list[BlockCopy] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        return self.decode + self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(s.num_new_tokens for s in self.prefill)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget per step (prefill chunk size limit)
+    max_num_seqs: int = 64  # sequences running at once
+    enable_chunked_prefill: bool = True
+
+
+def _priority(seq: Sequence) -> tuple[float, int]:
+    return (seq.arrival, seq.seq_id)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by priority (oldest first)
+        self.num_preemptions = 0
+
+    # -------------------------------------------------------------- queueing
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Insert an already-allocated sequence (a fork of a running one)."""
+        seq.status = SequenceStatus.RUNNING
+        keys = [_priority(s) for s in self.running]
+        self.running.insert(bisect.bisect(keys, _priority(seq)), seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is (finished or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
+                break
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                copies = self.block_manager.allocate_slots(seq, n)
+                if copies is not None:
+                    plan.blocks_to_copy += copies
+                    scheduled.append(ScheduledSeq(seq, n))
+                    budget -= n
+                    i += 1
+                    break
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+        if not plan.preempted:
+            budget = self._admit(plan, scheduled, budget)
+        for item in scheduled:
+            (plan.decode if item.num_new_tokens == 1 else plan.prefill).append(item)
+        return plan
+
+    def _admit(self, plan: StepPlan, scheduled: list[ScheduledSeq], budget: int) -> int:
+        bm = self.block_manager
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            # A request with n samples forks n - 1 siblings after its prompt: reserve their seats.
+            fresh = seq.sample_index == 0 and not seq.output_token_ids
+            group = seq.params.n if fresh else 1
+            if len(self.running) + group > self.config.max_num_seqs and self.running:
+                break
+            cached = bm.find_cached_prefix(seq)
+            uncomputed = seq.num_tokens - len(cached) * bm.block_size
+            n = min(uncomputed, budget)
+            if n < uncomputed and not self.config.enable_chunked_prefill:
+                break
+            copies = bm.allocate_slots(seq, n, cached)
+            if copies is None:
+                break  # head of line waits: FCFS keeps admission fair
+            bm.note_prefix_query(seq.num_tokens)
+            plan.blocks_to_copy += copies
+            self.waiting.popleft()
+            self.add_running(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return budget
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Free everything the sequence holds; it will be recomputed from its tokens."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        # Back to the queue in priority order, so the oldest preempted sequence returns first.
+        keys = [_priority(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, _priority(seq)), seq)
+        plan.preempted.append(seq)

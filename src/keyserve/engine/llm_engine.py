@@ -1,0 +1,325 @@
+"""The in-process engine: requests in, one scheduler step at a time, outputs out.
+
+Usable as a library (``LLM`` wraps it) and, later, wrapped piece by piece by the Ray actors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from keyserve.config import EngineConfig
+from keyserve.core.block_manager import BlockManager
+from keyserve.core.sampler import make_generator
+from keyserve.core.sampling_params import SamplingParams
+from keyserve.core.scheduler import Scheduler, SchedulerConfig, StepPlan
+from keyserve.core.sequence import FinishReason, Sequence, SequenceStatus
+from keyserve.engine.detokenizer import IncrementalDetokenizer
+from keyserve.engine.model_runner import (
+    ModelRunner,
+    SampleRequest,
+    kv_cache_bytes_per_block,
+    num_blocks_for_memory,
+)
+from keyserve.engine.outputs import CompletionOutput, RequestOutput, RequestStats
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit the context (the HTTP layer maps this to 400)."""
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    seqs: list[Sequence]  # sample 0 first; siblings join once sample 0's prompt is computed
+    pending_forks: list[Sequence] = field(default_factory=list)
+    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    generators: dict[int, torch.Generator | None] = field(default_factory=dict)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    max_blocks: int = 0
+
+    @property
+    def all_seqs(self) -> list[Sequence]:
+        return self.seqs + self.pending_forks
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending_forks and all(s.is_finished for s in self.seqs)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: Any | None = None) -> None:
+        from keyserve.model.loader import load_model
+        from keyserve.model.llama import allocate_kv_cache
+
+        self.config = config = config or EngineConfig()
+        torch.manual_seed(config.seed)
+        self.device = resolve_device(config.model.device)
+        dtype = _DTYPES[config.model.dtype]
+        if dtype is torch.float16 and self.device.type == "cpu":
+            raise ValueError("dtype float16 is only supported on CUDA; use bfloat16 on the CPU")
+        self.loaded = loaded or load_model(config.model.model, dtype=dtype, device=self.device)
+        arch = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks or num_blocks_for_memory(
+            config.cache.kv_cache_memory_gb,
+            kv_cache_bytes_per_block(
+                arch.num_hidden_layers, block_size, arch.num_key_value_heads, arch.head_dim, dtype
+            ),
+        )
+        kv_caches = allocate_kv_cache(arch, num_blocks, block_size, dtype, self.device)
+        self.runner = ModelRunner(
+            self.loaded.model, kv_caches, block_size, arch.sliding_window, self.device
+        )
+        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        s = config.scheduler
+        self.scheduler = Scheduler(
+            SchedulerConfig(s.max_num_batched_tokens, s.max_num_seqs, s.enable_chunked_prefill),
+            self.block_manager,
+        )
+        self.eos_token_ids = self._eos_ids()
+        self.requests: dict[str, _Request] = {}
+        self._seq_owner: dict[int, _Request] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        eos = getattr(self.loaded.config, "eos_token_ids", None) or getattr(
+            self.loaded.config, "eos_token_id", None
+        )
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    # --------------------------------------------------------------- requests
+    def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            if chat:
+                messages = [{"role": "user", "content": prompt}]
+                return self.apply_chat_template(messages)
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        chat: bool = False,
+        prompt_token_ids: list[int] | None = None,
+    ) -> str:
+        """Validate and queue a request; raises ValueError on bad input, leaving nothing behind."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str) and not prompt.strip() and not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        token_ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt, chat)
+        if not token_ids:
+            raise ValueError("prompt is empty (no tokens)")
+        vocab = self.loaded.config.vocab_size
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(token_ids)} tokens but the model's context is "
+                f"{self.max_model_len} tokens (at least one must remain for generation)"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        now = time.monotonic()
+        seqs = [
+            Sequence(request_id, list(token_ids), params, arrival=now, sample_index=i)
+            for i in range(params.n)
+        ]
+        req = _Request(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            list(token_ids),
+            params,
+            now,
+            seqs=[seqs[0]],
+            pending_forks=seqs[1:],
+        )
+        for seq in seqs:
+            req.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+            req.generators[seq.seq_id] = make_generator(params.seed, seq.sample_index)
+            self._seq_owner[seq.seq_id] = req
+        self.requests[request_id] = req
+        self.scheduler.add(seqs[0])
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request and free its blocks."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.all_seqs:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+        req.pending_forks = []
+        return self._pop_finished(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return a snapshot of every request that made progress."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        samples, generators = self._sample_requests(plan)
+        result = self.runner.execute(plan, samples, generators)
+        self.num_steps += 1
+        now = time.monotonic()
+        touched: dict[str, _Request] = {}
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit_computed(item.seq)
+            touched[item.seq.request_id] = self._seq_owner[item.seq.seq_id]
+        for req_sample in samples:
+            source = req_sample.source.seq
+            req = self._seq_owner[source.seq_id]
+            # Siblings fork from the computed prompt before any token can finish (and free) it.
+            for target in req_sample.targets[1:]:
+                self.block_manager.fork(source, target)
+                req.pending_forks.remove(target)
+                req.seqs.append(target)
+                self.scheduler.add_running(target)
+            for target in req_sample.targets:
+                token = result.tokens[target.seq_id]
+                self._append_token(req, target, token, result.logprobs.get(target.seq_id), now)
+        outputs = []
+        for req in touched.values():
+            held = sum(len(s.block_table) for s in req.seqs)
+            req.max_blocks = max(req.max_blocks, held)
+            if req.finished:
+                outputs.append(self._pop_finished(req))
+            else:
+                outputs.append(self._snapshot(req))
+        return outputs
+
+    def _sample_requests(self, plan: StepPlan) -> tuple[list[SampleRequest], dict]:
+        samples = []
+        generators: dict[int, torch.Generator | None] = {}
+        for item in plan.scheduled:
+            if not item.completes:
+                continue
+            seq = item.seq
+            req = self._seq_owner[seq.seq_id]
+            targets = [seq]
+            if seq.sample_index == 0 and req.pending_forks and not seq.output_token_ids:
+                targets += req.pending_forks
+            for t in targets:
+                generators[t.seq_id] = req.generators[t.seq_id]
+            samples.append(SampleRequest(item, targets))
+        return samples, generators
+
+    def _append_token(self, req: _Request, seq: Sequence, token: int, logprob: float | None, now: float) -> None:
+        seq.append_token(token, logprob)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        detok = req.detoks[seq.seq_id]
+        detok.append(token)
+        p = seq.params
+        reason = None
+        if detok.stopped_at is not None:
+            reason = FinishReason.STOP
+        elif token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = FinishReason.STOP
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.monotonic()
+        self.scheduler.remove(seq)
+
+    # ---------------------------------------------------------------- outputs
+    def _snapshot(self, req: _Request) -> RequestOutput:
+        outs = []
+        for seq in sorted(req.seqs, key=lambda s: s.sample_index):
+            detok = req.detoks[seq.seq_id]
+            outs.append(
+                CompletionOutput(
+                    index=seq.sample_index,
+                    text=detok.text,
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                    logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
+                )
+            )
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, self._stats(req)
+        )
+
+    def _stats(self, req: _Request) -> RequestStats:
+        generated = sum(len(s.output_token_ids) for s in req.seqs)
+        end = req.finish_time or time.monotonic()
+        ttft = None if req.first_token_time is None else req.first_token_time - req.arrival
+        decode_time = None if req.first_token_time is None else end - req.first_token_time
+        return RequestStats(
+            prompt_tokens=len(req.prompt_token_ids),
+            generated_tokens=generated,
+            time_to_first_token_s=ttft,
+            e2e_latency_s=(req.finish_time - req.arrival) if req.finish_time else None,
+            tokens_per_s=(generated - len(req.seqs)) / decode_time
+            if decode_time and generated > len(req.seqs)
+            else None,
+            kv_blocks_used=req.max_blocks,
+            prefix_cache_hit_tokens=req.seqs[0].num_cached_tokens if req.seqs else 0,
+            num_preemptions=sum(s.num_preemptions for s in req.seqs),
+        )
+
+    def _pop_finished(self, req: _Request) -> RequestOutput:
+        req.finish_time = max((s.finish_time or 0.0) for s in req.seqs) or time.monotonic()
+        self.requests.pop(req.request_id, None)
+        for seq in req.all_seqs:
+            self._seq_owner.pop(seq.seq_id, None)
+        return self._snapshot(req)
+
+    # ---------------------------------------------------------------- helpers
+    def run_until_done(self) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            if not self.scheduler.has_work and self.requests:
+                raise RuntimeError("engine has requests but nothing schedulable")
+        return finished

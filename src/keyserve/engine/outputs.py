@@ -1,0 +1,63 @@
+"""What the engine hands back: one RequestOutput per request, one CompletionOutput per sample."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    time_to_first_token_s: float | None = None
+    e2e_latency_s: float | None = None
+    tokens_per_s: float | None = None  # generated tokens / time after the first token
+    kv_blocks_used: int = 0  # most KV blocks held at once by the request's samples together
+    prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    # The first sample's fields, for the common n == 1 case.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    def to_dict(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "prompt": self.prompt,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "outputs": [asdict(o) for o in self.outputs],
+            "stats": self.stats.to_dict(),
+        }

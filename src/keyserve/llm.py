@@ -1,0 +1,92 @@
+"""``keyserve.LLM``: generate text from Python in one call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from keyserve.config import EngineConfig
+from keyserve.core.sampling_params import SamplingParams
+from keyserve.engine.llm_engine import LLMEngine
+from keyserve.engine.outputs import RequestOutput
+
+
+class LLM:
+    """An in-process engine over one model.
+
+    >>> llm = LLM(model="/path/to/hf_dir")            # or None for the default model
+    >>> [out] = llm.generate("Once upon a time", SamplingParams(max_tokens=32))
+    >>> out.text, out.token_ids, out.finish_reason, out.stats
+    """
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **options: Any) -> None:
+        if config is None:
+            config = EngineConfig.from_flat(model=model, **options)
+        elif model is not None or options:
+            raise ValueError("pass either config= or model/options, not both")
+        self.engine = LLMEngine(config)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        chat: bool = False,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or chat user messages with ``chat``);
+        one RequestOutput per prompt, in order. Invalid input raises before anything runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not isinstance(sampling_params, Seq):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        engine = self.engine
+        encoded = [engine.encode_prompt(p, chat) if not (isinstance(p, str) and not p.strip()) else []
+                   for p in prompts]
+        for i, ids in enumerate(encoded):  # validate everything before queueing anything
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            if len(ids) >= engine.max_model_len:
+                from keyserve.engine.llm_engine import PromptTooLongError
+
+                raise PromptTooLongError(
+                    f"prompt {i} has {len(ids)} tokens but the model's context is "
+                    f"{engine.max_model_len} tokens (at least one must remain for generation)"
+                )
+        ids = [
+            engine.add_request(p, sp, prompt_token_ids=tok)
+            for p, sp, tok in zip(prompts, sampling_params, encoded)
+        ]
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations (lists of ``{"role", "content"}``)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_lists = [self.engine.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(token_lists, sampling_params)
