@@ -1,0 +1,448 @@
+"""KV budgets (SPEC §2): which tokens a sequence keeps per (layer, kv-head), and in which slot.
+
+Policies: ``full`` (no eviction), ``window`` (the k most recent; a ring buffer, position p in
+slot p mod k), ``streaming_llm`` (4 sink tokens + the k − 4 most recent), ``h2o`` and
+``keyformer`` (the w most recent + the k − w highest accumulated attention scores S; Keyformer's
+scores come from a Gumbel-perturbed softmax, H2O's from the plain softmax).
+
+Budget k is the number of tokens a sequence holds, and attends to, at each decode step
+*including* the new token: "evict, then write". Before a step the victim is chosen among the
+candidates (held tokens that are neither sinks nor among the w − 1 most recent, i.e. the key
+tokens plus the one leaving the recent window), the new token's K/V is written into the victim's
+slot, and the step's attention mass is added to S. The new token's S starts with its own score.
+
+Tie-breaking, everywhere: the lowest S is evicted first, then the oldest position (positions are
+unique within a (layer, head), so the order is total). Window and StreamingLLM use no scores:
+their key is 0, so the oldest candidate goes.
+
+Slots are *logical* (``0 .. num_slots-1`` of the sequence, the engine maps them to physical
+blocks). Slots ``0 .. num_slots-1`` are always all occupied, in every (layer, head), so the
+attention kernel needs only one slot count per sequence. Compactions (prompt selection,
+``evict_down_to``, ``rollback``) return ``keep [L, H, n]``: new slot j receives old slot
+``keep[..., j]``; slots that stay put map to themselves, so the engine copies only where
+``keep != arange``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+ScoreModeName = Literal["softmax", "gumbel"]
+
+NUM_SINKS = 4  # StreamingLLM's attention sinks: positions 0..3
+_INT_MAX = torch.iinfo(torch.int64).max
+_NO_BUDGET = 1 << 62  # the budget of the ``full`` policy in batched tensors
+
+
+class KVPolicy(str, enum.Enum):
+    FULL = "full"
+    WINDOW = "window"
+    STREAMING_LLM = "streaming_llm"
+    H2O = "h2o"
+    KEYFORMER = "keyformer"
+
+
+def score_mode(policy: KVPolicy | str) -> ScoreModeName | None:
+    """The attention-score output a policy needs from the kernels (None: no scores)."""
+    policy = KVPolicy(policy)
+    if policy is KVPolicy.KEYFORMER:
+        return "gumbel"
+    if policy is KVPolicy.H2O:
+        return "softmax"
+    return None
+
+
+def keyformer_tau(step: int, max_tokens: int, tau_init: float = 1.0, tau_end: float = 2.0) -> float:
+    """Keyformer's temperature at decode step ``step`` (0 = first generated token):
+    τ = τ_init + step·(τ_end − τ_init)/max_tokens. The prompt phase uses τ = 1."""
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be >= 1")
+    return tau_init + step * (tau_end - tau_init) / max_tokens
+
+
+def recent_window(k: int, recent_ratio: float) -> int:
+    """w = round(recent_ratio·k), rounding halves up (not banker's), clamped to [0, k]."""
+    return max(0, min(k, int(math.floor(recent_ratio * k + 0.5))))
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """A policy resolved for one budget: k, how many sinks and recent tokens are protected."""
+
+    policy: KVPolicy
+    budget: int | None  # k; None = never evict (``full``)
+    num_sinks: int = 0
+    num_recent: int = 0
+
+    @classmethod
+    def create(
+        cls, policy: KVPolicy | str, budget: int | None, recent_ratio: float = 0.3
+    ) -> "BudgetSpec":
+        """StreamingLLM keeps min(4, k − 1) sinks so the new token always has a slot to take."""
+        policy = KVPolicy(policy)
+        if policy is KVPolicy.FULL or budget is None:
+            return cls(KVPolicy.FULL if budget is None else policy, None)
+        if budget < 1:
+            raise ValueError(f"kv budget must be >= 1 token, got {budget}")
+        if policy is KVPolicy.WINDOW:
+            return cls(policy, budget, 0, budget)
+        if policy is KVPolicy.STREAMING_LLM:
+            sinks = min(NUM_SINKS, budget - 1)
+            return cls(policy, budget, sinks, budget - sinks)
+        return cls(policy, budget, 0, recent_window(budget, recent_ratio))
+
+    def with_budget(self, budget: int) -> "BudgetSpec":
+        """The same rule at another k (recent share kept)."""
+        ratio = self.num_recent / self.budget if self.budget else 0.0
+        return BudgetSpec.create(self.policy, budget, ratio)
+
+    @property
+    def by_score(self) -> bool:
+        return self.policy in (KVPolicy.H2O, KVPolicy.KEYFORMER)
+
+    @property
+    def ring(self) -> bool:
+        return self.policy is KVPolicy.WINDOW
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure, batched tensor functions.
+# ---------------------------------------------------------------------------------------------
+
+
+def _col(x: torch.Tensor, ndim: int) -> torch.Tensor:
+    """[B] -> [B, 1, ..., 1] with ``ndim`` dims in all."""
+    return x.view(-1, *([1] * (ndim - 1)))
+
+
+def candidate_mask(
+    positions: torch.Tensor,  # [..., num_slots] int64, -1 = empty
+    newest: torch.Tensor,  # [...] or broadcastable: the newest position counted as "recent"
+    num_sinks: torch.Tensor | int,  # broadcastable to positions
+    num_recent: torch.Tensor | int,  # broadcastable to positions
+) -> torch.Tensor:  # [..., num_slots] bool
+    """Held tokens that may be evicted: not a sink (position < num_sinks) and not among the
+    ``num_recent`` most recent positions (position > newest − num_recent)."""
+    occupied = positions >= 0
+    protected = (positions < num_sinks) | (positions > newest - num_recent)
+    return occupied & ~protected
+
+
+def choose_victims_batched(
+    positions: torch.Tensor,  # [num_seqs, num_layers, num_kv_heads, num_slots] int64, -1 = empty
+    scores: torch.Tensor,  # [num_seqs, num_layers, num_kv_heads, num_slots] float32
+    num_held: torch.Tensor,  # [num_seqs] int64: occupied slots (0 .. num_held-1)
+    new_positions: torch.Tensor,  # [num_seqs] int64: position of the token about to be written
+    budget: torch.Tensor,  # [num_seqs] int64: k (a huge value for ``full``)
+    num_sinks: torch.Tensor,  # [num_seqs] int64
+    num_recent: torch.Tensor,  # [num_seqs] int64: w; the new token is the first of them
+    by_score: torch.Tensor,  # [num_seqs] bool: evict by S (H2O, Keyformer) or by age
+) -> tuple[torch.Tensor, torch.Tensor]:  # slots [num_seqs, L, H] int64, evicted [num_seqs] bool
+    """The slot each sequence's new token is written to, per (layer, kv-head), in one call.
+
+    Under budget (num_held < k) it is the fresh slot ``num_held``; at budget it is the slot of
+    the candidate with the lowest S, then the oldest position. Pure: the caller updates state.
+    """
+    nd = positions.dim()
+    cand = candidate_mask(
+        positions, _col(new_positions, nd), _col(num_sinks, nd), _col(num_recent, nd)
+    )
+    key = torch.where(_col(by_score, nd), scores.float().nan_to_num(0.0), 0.0)
+    key = key.masked_fill(~cand, float("inf"))
+    tie = cand & (key == key.amin(dim=-1, keepdim=True))
+    victims = torch.where(tie, positions, _INT_MAX).argmin(dim=-1)  # [B, L, H]
+    evict = num_held >= budget  # [B]
+    if bool((evict[:, None, None] & ~cand.any(dim=-1)).any()):
+        raise RuntimeError("a sequence at its KV budget has no evictable token")
+    fresh = _col(num_held, nd - 1).expand_as(victims)
+    return torch.where(_col(evict, nd - 1), victims, fresh), evict
+
+
+def select_keep_mask(
+    positions: torch.Tensor,  # [num_layers, num_kv_heads, num_slots] int64, -1 = empty
+    scores: torch.Tensor,  # [num_layers, num_kv_heads, num_slots] float32
+    num_keep: int,
+    newest: int,  # newest position held (the reference of the recent window)
+    num_sinks: int,
+    num_recent: int,
+    by_score: bool,
+) -> torch.Tensor:  # [num_layers, num_kv_heads, num_slots] bool
+    """Keep sinks + the ``num_recent`` most recent + the best of the rest, ``num_keep`` in all.
+
+    Evicts the ``held − num_keep`` candidates that come first in (S ascending, position
+    ascending) order — the same order ``choose_victims_batched`` uses one token at a time.
+    """
+    occupied = positions >= 0
+    held = occupied.sum(dim=-1)
+    if not bool((held == held.flatten()[0]).all()):
+        raise RuntimeError("every (layer, head) must hold the same number of tokens")
+    m = int(held.flatten()[0]) - num_keep
+    if m <= 0:
+        return occupied
+    cand = candidate_mask(positions, newest, num_sinks, num_recent)
+    if int(cand.sum(dim=-1).min()) < m:
+        raise RuntimeError("fewer evictable tokens than tokens to evict")
+    # Lexicographic (key, position) order from two stable sorts: position first, then key.
+    pos_key = torch.where(cand, positions, _INT_MAX)
+    by_pos = torch.sort(pos_key, dim=-1, stable=True).indices
+    key = scores.float().nan_to_num(0.0) if by_score else torch.zeros_like(scores, dtype=torch.float)
+    key = key.masked_fill(~cand, float("inf")).gather(-1, by_pos)
+    order = by_pos.gather(-1, torch.sort(key, dim=-1, stable=True).indices)
+    evicted = torch.zeros_like(occupied).scatter_(-1, order[..., :m], True)
+    return occupied & ~evicted
+
+
+def compaction_map(
+    keep_mask: torch.Tensor,  # [num_layers, num_kv_heads, num_slots] bool, same count per row
+    positions: torch.Tensor,  # [num_layers, num_kv_heads, num_slots] int64
+    ring: int | None = None,  # window policy: kept position p goes to slot p mod ring
+) -> torch.Tensor:  # [num_layers, num_kv_heads, num_keep] int64
+    """Where the kept tokens go: new slot j receives old slot ``keep[..., j]``.
+
+    Default layout moves as little as possible: kept tokens already in slots < num_keep stay,
+    the holes (ascending) are filled by the kept tokens beyond (ascending slot). With ``ring``
+    the layout is the ring buffer (needs num_keep == ring and consecutive kept positions).
+    """
+    counts = keep_mask.sum(dim=-1)
+    n = int(counts.flatten()[0]) if counts.numel() else 0
+    if not bool((counts == n).all()):
+        raise RuntimeError("every (layer, head) must keep the same number of tokens")
+    num_slots = keep_mask.shape[-1]
+    slot_ids = torch.arange(num_slots, device=keep_mask.device).expand_as(keep_mask)
+    if ring is not None and n == ring:
+        target = torch.where(keep_mask, positions % ring, ring)
+        out = torch.full((*keep_mask.shape[:-1], ring + 1), -1, dtype=torch.long,
+                         device=keep_mask.device)
+        out.scatter_(-1, target, slot_ids)
+        out = out[..., :ring]
+        if bool((out < 0).any()):
+            raise RuntimeError("ring layout needs consecutive kept positions")
+        return out
+    stays = keep_mask[..., :n]
+    movers = torch.where(keep_mask[..., n:], slot_ids[..., n:], _INT_MAX)
+    movers = torch.sort(movers, dim=-1).values  # kept slots >= n, ascending, first
+    hole_rank = ((~stays).long().cumsum(dim=-1) - 1).clamp(min=0)
+    if movers.shape[-1] == 0:
+        return slot_ids[..., :n].clone()
+    return torch.where(stays, slot_ids[..., :n], movers.gather(-1, hole_rank))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-sequence state.
+# ---------------------------------------------------------------------------------------------
+
+
+class KVBudgetState:
+    """One sequence's accumulated scores and slot → position map, per (layer, kv-head).
+
+    Lifecycle: ``append(n)`` for each prompt chunk (fresh slots) and ``accumulate(scores)``
+    after its forward; ``select_prompt()`` once the prompt is in; then per decode step
+    ``choose_victims()`` → write K/V there → forward → ``accumulate(scores)``. With speculative
+    verification: ``choose_victims()`` for the first (certain) token, ``append(K)`` into spare
+    slots for the drafts, ``accumulate``, ``rollback(accepted_len)``, ``evict_down_to()``.
+    """
+
+    def __init__(
+        self,
+        spec: BudgetSpec,
+        num_layers: int,
+        num_kv_heads: int,
+        *,
+        num_spare: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.spec = spec
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.num_spare = num_spare
+        self.num_slots = 0  # tokens held per (layer, head) = occupied slots 0..num_slots-1
+        self.num_tokens = 0  # positions seen: the next token's position
+        self.num_evicted = 0  # tokens evicted per (layer, head)
+        cap = (spec.budget + num_spare) if spec.budget is not None else 16
+        self._scores = torch.zeros(num_layers, num_kv_heads, cap, dtype=torch.float32, device=device)
+        self._positions = torch.full_like(self._scores, -1, dtype=torch.long)
+
+    # -- views ---------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._scores.device
+
+    @property
+    def scores(self) -> torch.Tensor:  # [num_layers, num_kv_heads, num_slots] float32
+        return self._scores[..., : self.num_slots]
+
+    @property
+    def positions(self) -> torch.Tensor:  # [num_layers, num_kv_heads, num_slots] int64
+        return self._positions[..., : self.num_slots]
+
+    @property
+    def at_budget(self) -> bool:
+        return self.spec.budget is not None and self.num_slots >= self.spec.budget
+
+    def _reserve(self, num_slots: int) -> None:
+        cap = self._scores.shape[-1]
+        if num_slots <= cap:
+            return
+        new_cap = max(num_slots, 2 * cap)
+        pad = new_cap - cap
+        self._scores = torch.nn.functional.pad(self._scores, (0, pad), value=0.0)
+        self._positions = torch.nn.functional.pad(self._positions, (0, pad), value=-1)
+
+    # -- growth and scores ---------------------------------------------------------------------
+    def append(self, num_tokens: int) -> torch.Tensor:  # [num_tokens] int64 slots
+        """Place the next ``num_tokens`` positions in fresh slots (same slots in every head):
+        prompt chunks, and speculative drafts in spare slots. Evicts nothing."""
+        start = self.num_slots
+        self._reserve(start + num_tokens)
+        new_pos = torch.arange(self.num_tokens, self.num_tokens + num_tokens, device=self.device)
+        self._positions[..., start : start + num_tokens] = new_pos
+        self._scores[..., start : start + num_tokens] = 0.0
+        self.num_slots += num_tokens
+        self.num_tokens += num_tokens
+        return torch.arange(start, start + num_tokens, device=self.device)
+
+    def accumulate(
+        self,
+        step_scores: torch.Tensor,  # [num_layers, num_kv_heads, >= num_slots] float
+    ) -> None:
+        """S += this forward's attention mass (decode step or prefill chunk); padding beyond
+        the sequence's slots (batch-wide max context) is ignored."""
+        if step_scores.shape[-1] < self.num_slots:
+            raise ValueError(f"scores cover {step_scores.shape[-1]} < {self.num_slots} slots")
+        self.scores.add_(step_scores[..., : self.num_slots].to(self.device, torch.float32))
+
+    # -- decode --------------------------------------------------------------------------------
+    def choose_victims(self, new_position: int | None = None) -> torch.Tensor:  # [L, H] int64
+        """Slot per (layer, head) for the next token ("evict, then write"); updates the state."""
+        return choose_victims_batch([self], None if new_position is None else [new_position])[0]
+
+    def _write_new(
+        self,
+        slots: torch.Tensor,  # [num_layers, num_kv_heads] int64
+        position: int,
+        evicted: bool,
+    ) -> None:
+        if not evicted:
+            self._reserve(self.num_slots + 1)
+        idx = slots.unsqueeze(-1)
+        self._positions.scatter_(-1, idx, position)
+        self._scores.scatter_(-1, idx, 0.0)  # the new token starts with its own score only
+        self.num_tokens = position + 1
+        if evicted:
+            self.num_evicted += 1
+        else:
+            self.num_slots += 1
+
+    # -- compaction ----------------------------------------------------------------------------
+    def select_prompt(self, k: int | None = None) -> torch.Tensor:  # [L, H, min(k, held)]
+        """Prompt-phase selection: keep w recent + top (k − w) by S (sinks + recent for
+        StreamingLLM, the k most recent for window) and compact them into slots 0..k−1."""
+        return self.evict_down_to(k)
+
+    def evict_down_to(self, k: int | None = None) -> torch.Tensor:  # [L, H, min(k, held)]
+        """Evict until ``k`` (default: the budget) tokens are held and compact; several at once
+        (speculative acceptance, prompt phase). Returns ``keep`` (see the module docstring)."""
+        k = self.spec.budget if k is None else k
+        if k is None or self.num_slots <= k:
+            return self._identity()
+        rule = self.spec if k == self.spec.budget else self.spec.with_budget(k)
+        mask = select_keep_mask(
+            self.positions, self.scores, k, self.num_tokens - 1,
+            rule.num_sinks, rule.num_recent, rule.by_score,
+        )
+        evicted_now = self.num_slots - k
+        keep = self._compact(mask, ring=k if rule.ring else None)
+        self.num_evicted += evicted_now
+        return keep
+
+    def rollback(self, num_tokens: int) -> torch.Tensor:  # [L, H, held after]
+        """Forget every position ``>= num_tokens`` (rejected drafts); not counted as evicted.
+        Tokens that replaced an evicted one cannot be rolled back unevenly across heads."""
+        if num_tokens > self.num_tokens:
+            raise ValueError("cannot roll forward")
+        mask = (self.positions >= 0) & (self.positions < num_tokens)
+        keep = self._compact(mask, ring=None)
+        self.num_tokens = num_tokens
+        return keep
+
+    def _identity(self) -> torch.Tensor:  # [L, H, num_slots]
+        ids = torch.arange(self.num_slots, device=self.device)
+        return ids.expand(self.num_layers, self.num_kv_heads, -1).clone()
+
+    def _compact(self, keep_mask: torch.Tensor, ring: int | None) -> torch.Tensor:
+        keep = compaction_map(keep_mask, self.positions, ring=ring)
+        n = keep.shape[-1]
+        new_pos = self.positions.gather(-1, keep)
+        new_scores = self.scores.gather(-1, keep)
+        self._positions[..., : self.num_slots] = -1
+        self._scores[..., : self.num_slots] = 0.0
+        self._positions[..., :n] = new_pos
+        self._scores[..., :n] = new_scores
+        self.num_slots = n
+        return keep
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched entry points (the engine calls these once per step).
+# ---------------------------------------------------------------------------------------------
+
+
+def choose_victims_batch(
+    states: Sequence[KVBudgetState],
+    new_positions: Sequence[int] | None = None,  # default: each state's next position
+) -> torch.Tensor:  # [num_seqs, num_layers, num_kv_heads] int64 slots
+    """Victim (or fresh) slot for every sequence's new token, in one vectorised call.
+
+    Stacks the states into ``[B, L, H, max_slots]`` (padding = empty), runs
+    ``choose_victims_batched`` once and writes the new tokens back into each state.
+    """
+    if not states:
+        return torch.empty(0, 0, 0, dtype=torch.long)
+    dev = states[0].device
+    width = max(1, max(s.num_slots for s in states))
+    pos = torch.full((len(states), states[0].num_layers, states[0].num_kv_heads, width), -1,
+                     dtype=torch.long, device=dev)
+    sc = torch.zeros(pos.shape, dtype=torch.float32, device=dev)
+    for b, s in enumerate(states):
+        pos[b, ..., : s.num_slots] = s.positions
+        sc[b, ..., : s.num_slots] = s.scores
+    newp = [s.num_tokens for s in states] if new_positions is None else list(new_positions)
+    for s, p in zip(states, newp):
+        if p < s.num_tokens:
+            raise ValueError(f"position {p} is not after the last one ({s.num_tokens - 1})")
+    as_t = lambda xs, dtype=torch.long: torch.tensor(xs, dtype=dtype, device=dev)  # noqa: E731
+    evict = [s.at_budget for s in states]
+    slots, _ = choose_victims_batched(
+        pos,
+        sc,
+        as_t([s.num_slots for s in states]),
+        as_t(newp),
+        as_t([s.spec.budget if s.spec.budget is not None else _NO_BUDGET for s in states]),
+        as_t([s.spec.num_sinks for s in states]),
+        as_t([s.spec.num_recent for s in states]),
+        as_t([s.spec.by_score for s in states], torch.bool),
+    )
+    for b, s in enumerate(states):
+        s._write_new(slots[b], newp[b], evict[b])
+    return slots
+
+
+def accumulate_batch(
+    states: Sequence[KVBudgetState],
+    step_scores: torch.Tensor,  # [num_seqs, num_layers, num_kv_heads, max_slots] float
+) -> None:
+    """S += one forward's scores for every sequence (rows in ``states`` order)."""
+    for b, s in enumerate(states):
+        s.accumulate(step_scores[b])
+
+
+def stack_layer_scores(
+    per_layer: Sequence[torch.Tensor],  # num_layers x [num_seqs, num_kv_heads, max_slots]
+) -> torch.Tensor:  # [num_seqs, num_layers, num_kv_heads, max_slots]
+    """The kernels return scores per layer; the policy wants them per sequence."""
+    return torch.stack(list(per_layer), dim=1)
