@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Create .venv and install keyserve (editable, with the [dev] extras) if anything is missing.
+# torch is installed first and pinned, so no other package can pull in a multi-GB CUDA build:
+# on a machine without CUDA, `pip install torch==2.13.0` takes the CPU wheel from the local
+# wheel directory. Set TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cpu) where there
+# is no such wheel. Re-running is cheap: a stamp of pyproject.toml skips the install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "bootstrap: creating .venv with $($PYTHON --version)" >&2
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+stamp=.venv/.keyserve-install-stamp
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+  if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    echo "bootstrap: installing torch==2.13.0" >&2
+    if [ -n "${TORCH_INDEX_URL:-}" ]; then
+      "${PIP[@]}" install torch==2.13.0 --index-url "$TORCH_INDEX_URL"
+    else
+      "${PIP[@]}" install torch==2.13.0
+    fi
+  fi
+  echo "bootstrap: installing keyserve[dev] (editable)" >&2
+  "${PIP[@]}" install -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+  .venv/bin/python -c "import keyserve, torch, transformers" # fail loudly if the install did not take
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,67 @@
+"""Bad input gets a clear error and disturbs nothing else."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from keyserve import LLM, SamplingParams
+from keyserve.engine.llm_engine import PromptTooLongError
+
+
+@pytest.fixture(scope="module")
+def llm(stories_path: str) -> LLM:
+    return LLM(stories_path, num_blocks=128)
+
+
+def test_empty_prompt(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="empty"):
+        llm.engine.add_request("   ")
+
+
+def test_prompt_longer_than_context(llm: LLM) -> None:
+    with pytest.raises(PromptTooLongError, match=r"600 tokens.*512"):
+        llm.generate([[5] * 600], SamplingParams(max_tokens=4))
+
+
+def test_unknown_model_path(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        LLM(str(tmp_path / "does-not-exist"))
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("n", 0), ("max_tokens", 0), ("min_p", 2.0)],
+)
+def test_invalid_sampling_values_name_the_field(field: str, value: float) -> None:
+    with pytest.raises(ValidationError) as info:
+        SamplingParams(**{field: value})
+    assert field in str(info.value)
+
+
+def test_errors_leave_running_requests_untouched(llm: LLM) -> None:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    good = engine.add_request("once upon a time", params)
+    engine.step()
+    with pytest.raises(PromptTooLongError):
+        engine.add_request([3] * 1000)
+    with pytest.raises(ValueError):
+        engine.add_request("")
+    finished = engine.run_until_done()
+    assert set(finished) == {good}
+    assert len(finished[good].token_ids) == 8
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_abort_frees_blocks(llm: LLM) -> None:
+    engine = llm.engine
+    rid = engine.add_request("once upon a time there was", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    out = engine.abort(rid)
+    assert out is not None and out.finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
