@@ -1,0 +1,286 @@
+"""Our Llama-family decoder over the paged KV cache (Llama, Mistral, Qwen2 layouts).
+
+Tokens are flat -- ``[num_tokens]`` with no batch dimension -- because continuous batching packs
+decode tokens and prefill chunks of many sequences into one step; ``AttentionMetadata`` says
+which tokens belong to which sequence and where their K/V live. q/k/v and gate/up are each one
+fused matmul (one pass over the weights per step, the batch-1 decode bound), held as
+Megatron shards so the same classes serve tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from keyserve.kernels.attention import paged_attention
+from keyserve.kernels.metadata import AttentionMetadata
+from keyserve.model.config import ModelConfig
+from keyserve.model.kv_cache import KVCache, allocate_kv_cache
+from keyserve.model.norm import RMSNorm
+from keyserve.model.parallel import (
+    AllReduce,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedEmbedding,
+    RowParallelLinear,
+    TPContext,
+)
+from keyserve.model.rope import RotaryEmbedding, apply_rotary
+
+__all__ = ["LlamaForCausalLM", "allocate_kv_cache"]
+
+_Device = torch.device | str
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention: fused qkv, RoPE on q and k together, paged attention, o_proj."""
+
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, tp: TPContext, dtype: torch.dtype, device: _Device
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.qkv_bias,
+            tp,
+            dtype,
+            device,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim,
+            config.hidden_size,
+            config.o_bias,
+            tp,
+            dtype,
+            device,
+            in_granule=config.head_dim,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [n, hidden]
+        cos: torch.Tensor,  # [n, 1, head_dim // 2]
+        sin: torch.Tensor,  # [n, 1, head_dim // 2]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [n, hidden]
+        n = x.shape[0]
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(n, hq + 2 * hkv, self.head_dim)
+        qk = apply_rotary(qkv[:, : hq + hkv], cos, sin)  # [n, hq + hkv, d]
+        q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
+        k_cache, v_cache = kv_cache
+        out = paged_attention(self.layer_idx, q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(n, hq * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up as one matmul."""
+
+    def __init__(
+        self, config: ModelConfig, tp: TPContext, dtype: torch.dtype, device: _Device
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, config.intermediate_size, 2, config.mlp_bias, tp, dtype, device
+        )
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, config.mlp_bias, tp, dtype, device
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, tp: TPContext, dtype: torch.dtype, device: _Device
+    ) -> None:
+        super().__init__()
+        self.sliding_window = config.layer_sliding_window(layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(config, layer_idx, tp, dtype, device)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, device
+        )
+        self.mlp = LlamaMLP(config, tp, dtype, device)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [n, hidden]
+        cos: torch.Tensor,  # [n, 1, head_dim // 2]
+        sin: torch.Tensor,  # [n, 1, head_dim // 2]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [n, hidden]
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, config: ModelConfig, tp: TPContext, dtype: torch.dtype, device: _Device
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = ReplicatedEmbedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, tp, dtype, device) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        self.rotary.to(device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Flat-token decoder: ``forward`` gives final hidden states, ``compute_logits`` the vocab.
+
+    Logits are a separate call so the engine projects only the rows it samples from (the LM
+    head is the largest single matmul of a small model).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: _Device = "cpu",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        all_reduce: AllReduce | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.tp = TPContext(tp_rank, tp_size, all_reduce)
+        self.model = LlamaModel(config, self.tp, dtype, device)
+        if config.tie_word_embeddings:
+            self.lm_head_weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head_weight = nn.Parameter(
+                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+                requires_grad=False,
+            )
+        self._full_attention_layers = [
+            layer.sliding_window is None for layer in self.model.layers
+        ]
+
+    @property
+    def num_kv_heads(self) -> int:
+        """kv heads held by this rank (the KV cache's third dimension)."""
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64, decode tokens first (meta's order)
+        kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary(positions, h.dtype)
+        full_meta = meta
+        if meta.sliding_window is not None and any(self._full_attention_layers):
+            # Mixed models (Qwen2 max_window_layers, layer_types): full layers ignore the window.
+            full_meta = dataclasses.replace(meta, sliding_window=None)
+        for layer, full, kv_cache in zip(
+            self.model.layers, self._full_attention_layers, kv_caches, strict=True
+        ):
+            h = layer(h, cos, sin, kv_cache, full_meta if full else meta)
+        return self.model.norm(h)
+
+    def compute_logits(
+        self, hidden: torch.Tensor  # [n, hidden_size]
+    ) -> torch.Tensor:  # [n, vocab_size] float32
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full Hugging Face tensors (``model.layers.N.self_attn.q_proj.weight``, ...) into
+        this rank's shards; raises if any parameter is left unloaded or a name is unknown."""
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._load_one(name, tensor)
+            if target:
+                loaded.add(target)
+        missing = sorted(set(self._expected_targets()) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+    _QKV = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v"}
+    _GATE_UP = {"mlp.gate_proj": 0, "mlp.up_proj": 1}
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> str | None:
+        """Load one HF tensor; returns a key naming what it filled (for the missing check)."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return None  # old checkpoints store the RoPE buffer; we recompute it
+        m = self.model
+        if name == "model.embed_tokens.weight":
+            m.embed_tokens.weight.copy_(tensor)
+            return name
+        if name == "model.norm.weight":
+            m.norm.weight.copy_(tensor)
+            return name
+        if name == "lm_head.weight":
+            if self.config.tie_word_embeddings:
+                return None  # some tied checkpoints store a copy of the embedding
+            self.lm_head_weight.copy_(tensor)
+            return name
+        match = self._LAYER.match(name)
+        if match is None:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        idx, module, kind = int(match[1]), match[2], match[3]
+        if idx >= len(m.layers):
+            raise ValueError(f"checkpoint has layer {idx} but config has {len(m.layers)} layers")
+        layer = m.layers[idx]
+        is_bias = kind == "bias"
+        if module in self._QKV:
+            layer.self_attn.qkv_proj.load_shard(self._QKV[module], tensor, is_bias)
+        elif module in self._GATE_UP:
+            layer.mlp.gate_up_proj.load_shard(self._GATE_UP[module], tensor, is_bias)
+        elif module == "self_attn.o_proj":
+            layer.self_attn.o_proj.load_shard(tensor, is_bias)
+        elif module == "mlp.down_proj":
+            layer.mlp.down_proj.load_shard(tensor, is_bias)
+        elif module in ("input_layernorm", "post_attention_layernorm") and not is_bias:
+            getattr(layer, module).weight.copy_(tensor)
+        else:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        return name
+
+    def _expected_targets(self) -> list[str]:
+        c = self.config
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not c.tie_word_embeddings:
+            names.append("lm_head.weight")
+        per_layer = [
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        ]
+        if c.qkv_bias:
+            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if c.o_bias:
+            per_layer.append("self_attn.o_proj.bias")
+        if c.mlp_bias:
+            per_layer += ["mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"]
+        return names + [f"model.layers.{i}.{p}" for i in range(c.num_hidden_layers) for p in per_layer]
