@@ -51,6 +51,9 @@ class Sequence:
     # KV budgets: the most KV slots this sequence may hold (None = one slot per token). Set by
     # the KV-policy layer; the block manager never allocates blocks beyond it.
     kv_slot_cap: int | None = None
+    # A sequence under a KV budget neither reuses nor offers cached prefixes: its eviction
+    # scores need every prompt query, and its blocks will be rewritten by compaction.
+    kv_budgeted: bool = False
     # n > 1: siblings wait until the first sample's prompt is computed, then fork from it.
     fork_parent: "Sequence | None" = None
     # Stop strings: the text emitted so far is kept by the detokenizer, not here.
@@ -80,7 +83,7 @@ class Sequence:
     @property
     def prefix_cacheable(self) -> bool:
         """A sequence whose KV is compressed must never offer its blocks as a cached prefix."""
-        return self.kv_slot_cap is None
+        return not self.kv_budgeted and self.kv_slot_cap is None
 
     @property
     def num_uncomputed_tokens(self) -> int:
