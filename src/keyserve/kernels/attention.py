@@ -59,32 +59,32 @@ def paged_attention(
     outs = []
     dec_scores = pre_scores = None
     if n_dec:
-        out, dec_scores = decode_fn(
-            query[:n_dec],
-            k_cache,
-            v_cache,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            scale,
-            sliding_window=meta.sliding_window,
-            score_mode=meta.score_mode,
-            tau=None if tau is None else tau[:n_dec],
+        dec_args = (query[:n_dec], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        out, dec_scores = _with_scores(
+            decode_fn, dec_args, meta, None if tau is None else tau[:n_dec], slice(0, n_dec)
         )
         outs.append(out)
     if meta.num_prefill_seqs:
-        out, pre_scores = prefill_fn(
-            query[n_dec:],
-            k_cache,
-            v_cache,
-            meta.prefill_block_tables,
-            meta.prefill_query_start_loc,
-            meta.prefill_context_lens,
-            scale,
-            sliding_window=meta.sliding_window,
-            score_mode=meta.score_mode,
-            tau=None if tau is None else tau[n_dec:],
+        pre_args = (
+            query[n_dec:], k_cache, v_cache, meta.prefill_block_tables,
+            meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
+        )
+        out, pre_scores = _with_scores(
+            prefill_fn, pre_args, meta, None if tau is None else tau[n_dec:], slice(n_dec, None)
         )
         outs.append(out)
     if meta.score_mode is not None:
         meta.scores[layer_idx] = (dec_scores, pre_scores)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _with_scores(fn, args: tuple, meta: AttentionMetadata, tau: torch.Tensor | None, rows: slice):
+    """Call one attention function; a batch mixing H2O and Keyformer rows runs the score pass
+    twice (rare: it only happens when both policies share a step) and picks per row."""
+    window = meta.sliding_window
+    if meta.score_mode != "mixed":
+        return fn(*args, sliding_window=window, score_mode=meta.score_mode, tau=tau)
+    out, plain = fn(*args, sliding_window=window, score_mode="softmax", tau=tau)
+    _, noisy = fn(*args, sliding_window=window, score_mode="gumbel", tau=tau)
+    gumbel = meta.gumbel_rows[rows].to(plain.device)[:, None, None]
+    return out, torch.where(gumbel, noisy, plain)

@@ -8,6 +8,7 @@ more query tokens (prompt chunks, recomputation after preemption, speculative ve
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -26,8 +27,10 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor  # [num_prefill_seqs + 1] int32, relative to prefill part
     prefill_context_lens: torch.Tensor  # [num_prefill_seqs] int32, slots incl. the chunk
     sliding_window: int | None = None  # layers of a sliding-window model, when slot == position
-    # Score output for KV budgets: None, "softmax" (H2O) or "gumbel" (Keyformer).
-    score_mode: ScoreMode | None = None
+    # Score output for KV budgets: None, "softmax" (H2O), "gumbel" (Keyformer), or "mixed"
+    # (both in one batch: rows in ``gumbel_rows`` get Gumbel scores, the others plain ones).
+    score_mode: ScoreMode | Literal["mixed"] | None = None
+    gumbel_rows: torch.Tensor | None = None  # [num_seqs] bool, decode seqs first ("mixed" only)
     tau: torch.Tensor | None = None  # [num_seqs] float32, decode seqs first then prefill seqs
     # Filled by the attention layers when score_mode is set: layer -> (decode_scores
     # [num_decode_seqs, num_kv_heads, max_ctx] | None, prefill_scores [num_prefill_seqs,
