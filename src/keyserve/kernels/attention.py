@@ -14,7 +14,7 @@ from keyserve.kernels.metadata import AttentionMetadata
 def _use_triton(t: torch.Tensor) -> bool:
     if not t.is_cuda:
         return False
-    from keyserve.kernels import paged_attention  # noqa: F401  (imports triton lazily)
+    import keyserve.kernels.paged_attention  # noqa: F401  (imports triton lazily)
 
     return True
 
@@ -49,9 +49,11 @@ def paged_attention(
     n_dec = meta.num_decode_seqs
     triton = _use_triton(query)
     if triton:
-        from keyserve.kernels import paged_attention as kernels
+        # Import the names from the submodule: ``keyserve.kernels.paged_attention`` is also the
+        # name of this module's entry point, re-exported by the package.
+        from keyserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
-        decode_fn, prefill_fn = kernels.paged_decode_attention, kernels.paged_prefill_attention
+        decode_fn, prefill_fn = paged_decode_attention, paged_prefill_attention
     else:
         decode_fn = reference.paged_decode_attention_reference
         prefill_fn = reference.paged_prefill_attention_reference
