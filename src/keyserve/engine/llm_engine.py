@@ -19,12 +19,8 @@ from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.scheduler import Scheduler, SchedulerConfig, StepPlan
 from keyserve.core.sequence import FinishReason, Sequence, SequenceStatus
 from keyserve.engine.detokenizer import IncrementalDetokenizer
-from keyserve.engine.model_runner import (
-    ModelRunner,
-    SampleRequest,
-    kv_cache_bytes_per_block,
-    num_blocks_for_memory,
-)
+from keyserve.engine.kv_budget import BudgetDefaults, budget_spec, compact_kv
+from keyserve.engine.model_runner import ModelRunner, SampleRequest, num_blocks_for_memory
 from keyserve.engine.outputs import CompletionOutput, RequestOutput, RequestStats
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,8 +62,8 @@ def resolve_device(name: str) -> torch.device:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: Any | None = None) -> None:
+        from keyserve.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
         from keyserve.model.loader import load_model
-        from keyserve.model.llama import allocate_kv_cache
 
         self.config = config = config or EngineConfig()
         torch.manual_seed(config.seed)
@@ -82,13 +78,21 @@ class LLMEngine:
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or num_blocks_for_memory(
             config.cache.kv_cache_memory_gb,
-            kv_cache_bytes_per_block(
-                arch.num_hidden_layers, block_size, arch.num_key_value_heads, arch.head_dim, dtype
-            ),
+            kv_cache_bytes_per_block(arch, block_size, dtype),
         )
         kv_caches = allocate_kv_cache(arch, num_blocks, block_size, dtype, self.device)
+        self.budget_defaults = BudgetDefaults(
+            config.cache.default_kv_policy, config.cache.default_kv_budget
+        )
         self.runner = ModelRunner(
-            self.loaded.model, kv_caches, block_size, arch.sliding_window, self.device
+            self.loaded.model,
+            kv_caches,
+            block_size,
+            arch.sliding_window,
+            self.device,
+            num_layers=arch.num_hidden_layers,
+            num_kv_heads=kv_caches[0][0].shape[2],
+            budget_defaults=self.budget_defaults,
         )
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         s = config.scheduler
@@ -173,6 +177,7 @@ class LLMEngine:
             pending_forks=seqs[1:],
         )
         for seq in seqs:
+            seq.kv_budgeted = budget_spec(seq, self.budget_defaults) is not None
             req.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
             req.generators[seq.seq_id] = make_generator(params.seed, seq.sample_index)
             self._seq_owner[seq.seq_id] = req
@@ -195,6 +200,7 @@ class LLMEngine:
         return bool(self.requests)
 
     # ------------------------------------------------------------------- step
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return a snapshot of every request that made progress."""
         plan = self.scheduler.schedule()
@@ -215,12 +221,14 @@ class LLMEngine:
             # Siblings fork from the computed prompt before any token can finish (and free) it.
             for target in req_sample.targets[1:]:
                 self.block_manager.fork(source, target)
+                self.runner.budget.fork(source, target)
                 req.pending_forks.remove(target)
                 req.seqs.append(target)
                 self.scheduler.add_running(target)
             for target in req_sample.targets:
                 token = result.tokens[target.seq_id]
                 self._append_token(req, target, token, result.logprobs.get(target.seq_id), now)
+        self._compact_prompts([t for r in samples for t in r.targets])
         outputs = []
         for req in touched.values():
             held = sum(len(s.block_table) for s in req.seqs)
@@ -264,7 +272,35 @@ class LLMEngine:
         if reason is not None:
             self._finish(seq, reason)
 
+    def _compact_prompts(self, seqs: list[Sequence]) -> None:
+        """Prompt-phase eviction for budgeted sequences whose prompt is now computed: keep k
+        tokens per (layer, head), move them into the first blocks, free the rest."""
+        budget = self.runner.budget
+        bm = self.block_manager
+        for seq in seqs:
+            state = budget.get(seq)
+            if seq.is_finished or state is None or not budget.due_for_compaction(seq):
+                continue
+            k = state.spec.budget
+            assert k is not None
+            if state.num_slots > k:
+                copies = bm.make_writable(seq, list(range(bm.blocks_for_slots(k))))
+                if copies is None:
+                    continue  # the pool cannot copy shared blocks now; retry next step
+                self.runner.copy_blocks(copies)
+                keep = budget.select_prompt(seq)
+                if keep is not None:
+                    compact_kv(self.runner.kv_caches, seq.block_table, keep, bm.block_size)
+                bm.truncate(seq, k)
+            else:
+                budget.select_prompt(seq)
+            seq.kv_slot_cap = k
+
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        state = self.runner.budget.get(seq)
+        if state is not None:
+            seq.kv_tokens_held, seq.kv_tokens_evicted = state.num_slots, state.num_evicted
+        self.runner.budget.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()
@@ -303,8 +339,20 @@ class LLMEngine:
             else None,
             kv_blocks_used=req.max_blocks,
             prefix_cache_hit_tokens=req.seqs[0].num_cached_tokens if req.seqs else 0,
+            kv_tokens_held=sum(self._kv_held(s) for s in req.seqs),
+            kv_tokens_evicted=sum(self._kv_evicted(s) for s in req.seqs),
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
         )
+
+    def _kv_held(self, seq: Sequence) -> int:
+        state = self.runner.budget.get(seq)
+        if state is not None:
+            return state.num_slots
+        return seq.kv_tokens_held if seq.kv_budgeted else seq.num_computed_tokens
+
+    def _kv_evicted(self, seq: Sequence) -> int:
+        state = self.runner.budget.get(seq)
+        return state.num_evicted if state is not None else seq.kv_tokens_evicted
 
     def _pop_finished(self, req: _Request) -> RequestOutput:
         req.finish_time = max((s.finish_time or 0.0) for s in req.seqs) or time.monotonic()

@@ -6,6 +6,7 @@ requests, stop conditions or text: it returns sampled tokens per sequence.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from keyserve.core.block_manager import BlockCopy
 from keyserve.core.sampler import SamplingTensors, sample
 from keyserve.core.scheduler import ScheduledSeq, StepPlan
 from keyserve.core.sequence import Sequence
+from keyserve.engine.kv_budget import BudgetDefaults, KVBudgetTracker, budget_spec, physical_slots
 from keyserve.kernels.metadata import AttentionMetadata
 
 
@@ -50,11 +52,6 @@ def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     return out.to(device)
 
 
-def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -63,57 +60,93 @@ class ModelRunner:
         block_size: int,
         sliding_window: int | None,
         device: torch.device,
+        num_layers: int,
+        num_kv_heads: int,
+        budget_defaults: BudgetDefaults | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.device = device
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.budget_defaults = budget_defaults or BudgetDefaults()
+        self.budget = KVBudgetTracker(num_layers, num_kv_heads, block_size, device)
 
     # ----------------------------------------------------------------- inputs
     def prepare(self, plan: StepPlan) -> ModelInputs:
+        """Pack the step's tokens; budgeted sequences get their slots from the KV policy."""
         block = self.block_size
-        ids: list[int] = []
-        pos_chunks: list[torch.Tensor] = []
-        slot_chunks: list[torch.Tensor] = []
-        last_index: dict[int, int] = {}
-        dec_positions = []
-        dec_slots = []
-        for item in plan.decode:
-            seq = item.seq
-            p = item.start
-            ids.append(seq.token_at(p))
-            dec_positions.append(p)
-            dec_slots.append(seq.block_table[p // block] * block + p % block)
-            last_index[seq.seq_id] = len(ids) - 1
-        if plan.decode:
-            pos_chunks.append(torch.tensor(dec_positions, dtype=torch.int64))
-            slot_chunks.append(torch.tensor(dec_slots, dtype=torch.int64))
-        query_start = [0]
-        for item in plan.prefill:
-            seq = item.seq
-            start, n = item.start, item.num_new_tokens
-            ids.extend(seq.token_ids[start : start + n])
-            positions = torch.arange(start, start + n, dtype=torch.int64)
-            table = torch.tensor(seq.block_table, dtype=torch.int64)
-            pos_chunks.append(positions)
-            slot_chunks.append(table[positions // block] * block + positions % block)
-            query_start.append(query_start[-1] + n)
-            last_index[seq.seq_id] = len(ids) - 1
+        budget = self.budget
         dev = self.device
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []  # physical slot per token (same in every layer/head)
+        last_index: dict[int, int] = {}
+        context_lens: list[int] = []  # per sequence: slots attended after this step's writes
+        per_head: list[tuple[int, Sequence]] = []  # (token row, seq) whose slot differs per head
+        modes: list[str | None] = []
+        taus: list[float] = []
+        for item in plan.scheduled:
+            seq, start, n = item.seq, item.start, item.num_new_tokens
+            row = len(ids)
+            ids.extend(seq.token_ids[start : start + n])
+            pos = torch.arange(start, start + n, dtype=torch.int64)
+            positions.append(pos)
+            last_index[seq.seq_id] = row + n - 1
+            state = budget.get(seq) if seq.kv_budgeted else None
+            if seq.kv_budgeted and (state is None or start == 0):
+                state = budget.start(seq, budget_spec(seq, self.budget_defaults))
+            table = torch.tensor(seq.block_table, dtype=torch.int64)
+            if state is None:
+                logical = pos
+                context_lens.append(start + n)
+            elif budget.due_for_compaction(seq):  # prompt phase: fresh slots, no eviction
+                logical = state.append(n)
+                context_lens.append(state.num_slots)
+            else:
+                if n != 1:
+                    raise RuntimeError("a compacted sequence can only decode one token per step")
+                logical = torch.zeros(1, dtype=torch.int64)  # replaced per head below
+                per_head.append((row, seq))
+                context_lens.append(-1)  # filled once the victims are known
+            slots.append(physical_slots(logical.cpu(), table, block))
+            modes.append(budget.score_mode(seq) if state is not None else None)
+            taus.append(budget.tau(seq, decoding=not budget.due_for_compaction(seq)) if state is not None else 1.0)
+        slot_mapping = torch.cat(slots)
+        if per_head:
+            seqs = [s for _, s in per_head]
+            victims = budget.decode_slots(seqs)  # [n, L, H] logical
+            full = slot_mapping[None, :, None].expand(self.num_layers, -1, self.num_kv_heads).clone()
+            index = {s.seq_id: i for i, s in enumerate(seqs)}
+            for row, seq in per_head:
+                table = torch.tensor(seq.block_table, dtype=torch.int64)
+                full[:, row, :] = physical_slots(victims[index[seq.seq_id]].cpu(), table, block)
+            slot_mapping = full
+            sched = plan.scheduled
+            for i, item in enumerate(sched):
+                if context_lens[i] == -1:
+                    context_lens[i] = budget.get(item.seq).num_slots
+        n_dec = len(plan.decode)
+        wanted = {m for m in modes if m is not None}
+        score = None if not wanted else (wanted.pop() if len(wanted) == 1 else "mixed")
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_chunks).to(dev),
-            num_decode_seqs=len(plan.decode),
+            slot_mapping=slot_mapping.to(dev),
+            num_decode_seqs=n_dec,
             decode_block_tables=_pad_tables([s.seq.block_table for s in plan.decode], dev),
-            decode_context_lens=torch.tensor(
-                [s.start + 1 for s in plan.decode], dtype=torch.int32, device=dev
-            ),
+            decode_context_lens=torch.tensor(context_lens[:n_dec], dtype=torch.int32, device=dev),
             prefill_block_tables=_pad_tables([s.seq.block_table for s in plan.prefill], dev),
-            prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            prefill_context_lens=torch.tensor(
-                [s.start + s.num_new_tokens for s in plan.prefill], dtype=torch.int32, device=dev
+            prefill_query_start_loc=torch.tensor(
+                [0] + list(itertools.accumulate(s.num_new_tokens for s in plan.prefill)),
+                dtype=torch.int32,
+                device=dev,
             ),
+            prefill_context_lens=torch.tensor(context_lens[n_dec:], dtype=torch.int32, device=dev),
             sliding_window=self.sliding_window,
+            score_mode=score,  # type: ignore[arg-type]
+            tau=torch.tensor(taus, dtype=torch.float32, device=dev) if score else None,
+            gumbel_rows=torch.tensor([m == "gumbel" for m in modes], device=dev) if score == "mixed" else None,
         )
         if not plan.prefill:
             meta.prefill_block_tables = meta.prefill_block_tables[:0]
@@ -121,10 +154,24 @@ class ModelRunner:
             meta.decode_block_tables = meta.decode_block_tables[:0]
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.cat(pos_chunks).to(dev),
+            positions=torch.cat(positions).to(dev),
             meta=meta,
             last_token_index=last_index,
         )
+
+    def accumulate_scores(self, plan: StepPlan, meta: AttentionMetadata) -> None:
+        """Add this step's attention mass to every budgeted sequence's scores."""
+        if meta.score_mode is None:
+            return
+        layers = range(self.num_layers)
+        n_dec = len(plan.decode)
+        dec = torch.stack([meta.scores[l][0] for l in layers], dim=1) if n_dec else None
+        pre = torch.stack([meta.scores[l][1] for l in layers], dim=1) if plan.prefill else None
+        for i, item in enumerate(plan.scheduled):
+            if self.budget.get(item.seq) is None:
+                continue
+            scores = dec[i] if i < n_dec else pre[i - n_dec]  # type: ignore[index]
+            self.budget.accumulate(item.seq, scores)
 
     # ---------------------------------------------------------------- execute
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
@@ -162,8 +209,10 @@ class ModelRunner:
                 targets.append(target)
         if not rows:
             self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            self.accumulate_scores(plan, inputs.meta)
             return StepResult()
         logits = self.forward_logits(inputs, rows)
+        self.accumulate_scores(plan, inputs.meta)
         st = SamplingTensors.from_params([t.params for t in targets], device=logits.device)
         want_logprobs = any(t.params.logprobs for t in targets)
         tokens, logprobs = sample(logits, st, [generators.get(t.seq_id) for t in targets], want_logprobs)

@@ -14,6 +14,8 @@ class RequestStats:
     tokens_per_s: float | None = None  # generated tokens / time after the first token
     kv_blocks_used: int = 0  # most KV blocks held at once by the request's samples together
     prefix_cache_hit_tokens: int = 0
+    kv_tokens_held: int = 0  # KV tokens per (layer, kv-head) at the end, over all samples
+    kv_tokens_evicted: int = 0  # tokens dropped by the KV budget, per (layer, kv-head)
     num_preemptions: int = 0
 
     def to_dict(self) -> dict:
