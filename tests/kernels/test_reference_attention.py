@@ -1,0 +1,92 @@
+"""The pure-torch reference (the CPU path and the kernels' oracle) against dense attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_cases import dense_decode, dense_prefill, make_case, tolerance
+
+from keyserve.kernels.reference import (
+    gumbel_from_uniform,
+    paged_decode_attention_reference,
+    paged_prefill_attention_reference,
+    write_kv_reference,
+)
+
+
+@pytest.mark.parametrize(
+    "block_size,head_dim,num_kv_heads,group,dtype,window",
+    [
+        (16, 64, 3, 3, torch.float32, None),
+        (8, 128, 2, 4, torch.bfloat16, None),
+        (32, 8, 4, 2, torch.float32, 7),
+        (16, 64, 1, 8, torch.float32, 20),
+    ],
+)
+def test_decode_reference_matches_dense(block_size, head_dim, num_kv_heads, group, dtype, window):
+    case = make_case([0, 1, 5, 37, 70], block_size, num_kv_heads, head_dim, dtype, seed=1)
+    q = torch.randn(5, num_kv_heads * group, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    out, scores = paged_decode_attention_reference(
+        q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, scale, window
+    )
+    assert scores is None
+    torch.testing.assert_close(out, dense_decode(case, q, scale, window), **tolerance(dtype))
+    assert torch.count_nonzero(out[0]) == 0  # empty context -> zeros
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_prefill_reference_matches_dense(window):
+    lens, q_lens = [3, 20, 10, 33], [3, 1, 10, 16]  # full prompt, decode-like, prefix + chunk
+    case = make_case(lens, 8, 2, 64, seed=2)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], 6, 64)
+    out, _ = paged_prefill_attention_reference(
+        q, case.k_cache, case.v_cache, case.block_tables, torch.tensor(starts, dtype=torch.int32),
+        case.context_lens, 0.125, window,
+    )
+    torch.testing.assert_close(out, dense_prefill(case, q, starts, 0.125, window), atol=1e-5, rtol=1e-5)
+
+
+def test_softmax_scores_are_probability_mass():
+    """H2O scores: each query head's softmax sums to 1, so a kv-head's scores sum to the group
+    size per query; masked slots (window, beyond context) get nothing."""
+    case = make_case([0, 9, 40], 16, 2, 64, seed=3)
+    q = torch.randn(3, 8, 64)
+    _, scores = paged_decode_attention_reference(
+        q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125,
+        sliding_window=16, score_mode="softmax",
+    )
+    assert scores.shape == (3, 2, 40)
+    torch.testing.assert_close(scores.sum(-1), torch.tensor([[0.0, 0.0], [4.0, 4.0], [4.0, 4.0]]))
+    assert torch.count_nonzero(scores[1, :, 9:]) == 0 and torch.count_nonzero(scores[2, :, :24]) == 0
+
+
+def test_gumbel_scores_follow_the_formula():
+    """Keyformer: softmax((x + ζ) / τ) with ζ = -log(-log U), summed over the group's heads."""
+    case = make_case([12], 8, 1, 16, seed=4)
+    q = torch.randn(1, 2, 16)
+    u = torch.rand(1, 2, 12)
+    tau = torch.tensor([1.7])
+    _, scores = paged_decode_attention_reference(
+        q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.25,
+        score_mode="gumbel", tau=tau, uniforms=u,
+    )
+    x = torch.einsum("hd,td->ht", q[0], case.keys[0][:, 0]) * 0.25
+    want = torch.softmax((x + gumbel_from_uniform(u[0])) / 1.7, dim=-1).sum(0)
+    torch.testing.assert_close(scores[0, 0], want)
+
+
+def test_write_kv_reference_per_token_and_per_head_slots():
+    k_cache = torch.zeros(4, 4, 2, 8)
+    v_cache = torch.zeros(4, 4, 2, 8)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    write_kv_reference(key, value, k_cache, v_cache, torch.tensor([5, -1, 15]))
+    assert torch.equal(k_cache[1, 1], key[0]) and torch.equal(v_cache[3, 3], value[2])
+    assert torch.count_nonzero(k_cache) == 2 * 2 * 8  # the skipped token wrote nothing
+    per_head = torch.tensor([[0, 9], [-1, 2], [3, -1]])
+    write_kv_reference(key, value, k_cache, v_cache, per_head)
+    assert torch.equal(k_cache[0, 0, 0], key[0, 0]) and torch.equal(k_cache[2, 1, 1], key[0, 1])
+    assert torch.equal(v_cache[0, 2, 1], value[1, 1]) and torch.equal(k_cache[0, 3, 0], key[2, 0])
