@@ -1,0 +1,121 @@
+"""KV budgets on a real model (stories260K): exactness, the ring buffer, real memory savings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keyserve import LLM, SamplingParams
+
+POLICIES = ["window", "streaming_llm", "h2o", "keyformer"]
+PROMPT = (
+    "Once upon a time there was a little girl named Lily. She loved to play outside in the park. "
+    "One day she saw a big red ball and she wanted to play with it."
+)
+
+
+@pytest.fixture(scope="module")
+def llm(stories_path: str) -> LLM:
+    return LLM(stories_path, num_blocks=256, block_size=8)
+
+
+def _greedy(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 40), temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_budget_covering_the_sequence_equals_full(llm: LLM, policy: str) -> None:
+    [full] = llm.generate(PROMPT, _greedy())
+    [same] = llm.generate(PROMPT, _greedy(kv_policy=policy, kv_budget=500))
+    assert same.token_ids == full.token_ids
+    assert same.stats.kv_tokens_evicted == 0
+
+
+def test_window_policy_equals_sliding_window_attention(llm: LLM) -> None:
+    """Decode queries see exactly the k most recent tokens: the same as the full cache with a
+    sliding-window mask of k on decode steps (the prompt phase attends causally to all n)."""
+    k = 12
+    [ring] = llm.generate(PROMPT, _greedy(kv_policy="window", kv_budget=k, logprobs=True))
+    engine = llm.engine
+    runner = engine.runner
+    model = engine.loaded.model
+    full_layers = model._full_attention_layers
+    model._full_attention_layers = [False] * len(full_layers)  # every layer takes the window
+    rid = engine.add_request(PROMPT, _greedy(logprobs=True))
+    outs = {}
+    try:
+        while engine.has_unfinished_requests():
+            seq = engine.requests[rid].seqs[0] if rid in engine.requests else None
+            # Once the prompt is computed, decode steps use a sliding-window mask of k.
+            runner.sliding_window = k if seq is not None and seq.output_token_ids else None
+            for out in engine.step():
+                outs[out.request_id] = out
+    finally:
+        runner.sliding_window = None
+        model._full_attention_layers = full_layers
+    masked = outs[rid]
+    assert ring.token_ids == masked.token_ids
+    torch.testing.assert_close(
+        torch.tensor(ring.outputs[0].logprobs), torch.tensor(masked.outputs[0].logprobs), atol=1e-4, rtol=0
+    )
+    assert ring.stats.kv_tokens_held == k
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_blocks_stop_growing_at_the_budget_and_return_to_the_pool(llm: LLM, policy: str) -> None:
+    engine = llm.engine
+    bm = engine.block_manager
+    free_at_start = bm.num_free_blocks
+    k = 20
+    rid = engine.add_request(PROMPT, _greedy(kv_policy=policy, kv_budget=k, max_tokens=60))
+    held = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        if rid in engine.requests and engine.requests[rid].seqs[0].output_token_ids:
+            held.append(len(engine.requests[rid].seqs[0].block_table))
+    assert held and set(held) == {-(-k // bm.block_size)}  # constant from the first token on
+    assert bm.num_free_blocks == free_at_start
+
+
+def test_kv_stats_and_bytes_proportional_to_budget(llm: LLM) -> None:
+    n_prompt = len(llm.tokenizer.encode(PROMPT))
+    for frac in (0.25, 0.5):
+        [out] = llm.generate(PROMPT, _greedy(kv_policy="h2o", kv_budget=frac, max_tokens=30))
+        k = max(1, round(frac * n_prompt))
+        assert out.stats.kv_tokens_held == k
+        assert out.stats.kv_tokens_evicted == n_prompt + 30 - 1 - k
+
+
+def test_mixed_policies_in_one_batch_match_running_alone(llm: LLM) -> None:
+    deterministic = ["full", "window", "streaming_llm", "h2o"]
+    params = [_greedy(kv_policy=p, kv_budget=16) for p in deterministic]
+    alone = [llm.generate(PROMPT, p)[0].token_ids for p in params]
+    keyformer = _greedy(kv_policy="keyformer", kv_budget=16)
+    together = llm.generate([PROMPT] * 5, params + [keyformer])
+    assert [o.token_ids for o in together[:4]] == alone
+    assert together[4].stats.kv_tokens_held == 16
+
+
+def test_budgets_survive_preemption_and_forks(stories_path: str) -> None:
+    small = LLM(stories_path, num_blocks=20, block_size=8, max_num_batched_tokens=64)
+    prompts = [PROMPT + " " + str(i) for i in range(10)]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.8, seed=i, n=2 if i % 3 == 0 else 1, ignore_eos=True,
+                       kv_policy=POLICIES[i % 4], kv_budget=0.5 if i % 2 else 60)
+        for i in range(10)
+    ]
+    outs = small.generate(prompts, params)
+    assert all(len(o.token_ids) == 40 for out in outs for o in out.outputs)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.block_manager.num_free_blocks == 20
+    assert not small.engine.runner.budget.states
+
+
+def test_compressed_blocks_are_never_offered_as_prefix(llm: LLM) -> None:
+    llm.engine.block_manager.reset_prefix_cache()
+    [budgeted] = llm.generate(PROMPT, _greedy(kv_policy="h2o", kv_budget=0.3))
+    [full] = llm.generate(PROMPT, _greedy())
+    assert full.stats.prefix_cache_hit_tokens == 0  # the budgeted run cached nothing
+    [again] = llm.generate(PROMPT, _greedy(kv_policy="h2o", kv_budget=0.3))
+    assert again.stats.prefix_cache_hit_tokens == 0  # budgeted requests recompute their prompt
+    assert again.token_ids == budgeted.token_ids
