@@ -76,11 +76,11 @@ def _gumbel(u):
 
 
 @triton.jit
-def _kv_offsets(table_row_ptr, slots, slot_ok, kv_head, stride_cb, stride_cs, stride_ch,
-                BLOCK_SIZE: tl.constexpr):
-    """Element offsets of logical ``slots`` of one sequence in a paged cache (head_dim 0)."""
+def _slot_rows(table_row_ptr, slots, slot_ok, BLOCK_SIZE: tl.constexpr):
+    """(physical block, offset in block) of a sequence's logical ``slots`` [N]; a tile may
+    span several cache blocks, so every slot looks its own block up."""
     block = tl.load(table_row_ptr + slots // BLOCK_SIZE, mask=slot_ok, other=0).to(tl.int64)
-    return block * stride_cb + (slots % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    return block, slots % BLOCK_SIZE
 
 
 @triton.jit
@@ -201,14 +201,13 @@ def _decode_kernel(
         n = start + n_base
         n_ok = n < hi
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k_off = _kv_offsets(table_row, n, n_ok, kv_head, stride_kcb, stride_kcs, stride_kch,
-                            BLOCK_SIZE)
+        block, offset = _slot_rows(table_row, n, n_ok, BLOCK_SIZE)
+        k_off = block * stride_kcb + offset * stride_kcs + kv_head * stride_kch
         k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         x = _qk(q, k, USE_DOT, PRECISION) * scale
         x = tl.where(n_ok[None, :], x, float("-inf"))
         p, alpha, m, l = _online_update(x, m, l)
-        v_off = _kv_offsets(table_row, n, n_ok, kv_head, stride_vcb, stride_vcs, stride_vch,
-                            BLOCK_SIZE)
+        v_off = block * stride_vcb + offset * stride_vcs + kv_head * stride_vch
         v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _pv(p, v, USE_DOT, PRECISION)
         if SCORE_MODE != 0:
@@ -358,8 +357,8 @@ def _prefill_kernel(
         n = start + n_base
         n_ok = n < hi
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k_off = _kv_offsets(table_row, n, n_ok, kv_head, stride_kcb, stride_kcs, stride_kch,
-                            BLOCK_SIZE)
+        block, offset = _slot_rows(table_row, n, n_ok, BLOCK_SIZE)
+        k_off = block * stride_kcb + offset * stride_kcs + kv_head * stride_kch
         k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         x = _qk(q, k, USE_DOT, PRECISION) * scale
         valid = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= pos[:, None])
@@ -367,8 +366,7 @@ def _prefill_kernel(
             valid = valid & (n[None, :] > pos[:, None] - window)
         x = tl.where(valid, x, float("-inf"))
         p, alpha, m, l = _online_update(x, m, l)
-        v_off = _kv_offsets(table_row, n, n_ok, kv_head, stride_vcb, stride_vcs, stride_vch,
-                            BLOCK_SIZE)
+        v_off = block * stride_vcb + offset * stride_vcs + kv_head * stride_vch
         v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _pv(p, v, USE_DOT, PRECISION)
         if SCORE_MODE != 0:
