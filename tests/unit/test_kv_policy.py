@@ -26,6 +26,7 @@ from keyserve.core.kv_policy import (
     choose_victims_batch,
     compaction_map,
     keyformer_tau,
+    order_key,
     recent_window,
     score_mode,
     stack_layer_scores,
@@ -154,8 +155,9 @@ class ScoreSource:
 
 class Lockstep:
     def __init__(self, policy: str, k: int, ratio: float, L: int, H: int, kind: str, seed: int,
-                 max_pos: int, num_spare: int = 0):
+                 max_pos: int, num_spare: int = 0, stacked: bool = False):
         self.policy, self.k, self.L, self.H = policy, k, L, H
+        self.stacked = stacked
         self.state = KVBudgetState(BudgetSpec.create(policy, k, ratio), L, H, num_spare=num_spare)
         s, w, by = ref_rule(policy, k, ratio)
         self.sinks, self.recent = s, w
@@ -233,7 +235,7 @@ class Lockstep:
         for t in range(steps):
             p = self.state.num_tokens
             before = self.state.positions.clone()
-            slots = self.state.choose_victims()
+            slots = choose_victims_batch([self.state], stacked=self.stacked)[0]
             assert slots.shape == (self.L, self.H)
             for l in range(self.L):
                 for h in range(self.H):
@@ -278,10 +280,12 @@ def test_enum_modes_and_helpers() -> None:
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("mode", ["int", "attn"])
-def test_policy_matches_reference_fixed(policy: str, mode: str) -> None:
+@pytest.mark.parametrize("stacked", [False, True])
+def test_policy_matches_reference_fixed(policy: str, mode: str, stacked: bool) -> None:
     """A hand-picked case per policy: prompt in two chunks, then decoding past the budget."""
     k, n, steps = 7, 12, 10
-    run = Lockstep(policy, k, 0.3, L=2, H=2, kind=_kind(policy, mode), seed=7, max_pos=n + steps)
+    run = Lockstep(policy, k, 0.3, L=2, H=2, kind=_kind(policy, mode), seed=7, max_pos=n + steps,
+                   stacked=stacked)
     run.prompt([5, 7])
     run.decode(steps, max_tokens=steps)
 
@@ -298,10 +302,14 @@ def test_policy_matches_reference_fixed(policy: str, mode: str) -> None:
     H=st.integers(1, 3),
     seed=st.integers(0, 2**16),
     chunk=st.integers(1, 6),
+    stacked=st.booleans(),
 )
-def test_policy_matches_reference_random(policy, k, ratio, n, steps, L, H, seed, chunk) -> None:
-    """Random integer scores (frequent ties) across many shapes and budgets."""
-    run = Lockstep(policy, k, ratio, L, H, kind="int", seed=seed, max_pos=n + steps)
+def test_policy_matches_reference_random(policy, k, ratio, n, steps, L, H, seed, chunk,
+                                         stacked) -> None:
+    """Random integer scores (frequent ties) across many shapes and budgets, through both the
+    stacked batched call and the per-sequence one."""
+    run = Lockstep(policy, k, ratio, L, H, kind="int", seed=seed, max_pos=n + steps,
+                   stacked=stacked)
     run.prompt([min(chunk, n - i) for i in range(0, n, chunk)])
     run.decode(steps, max_tokens=max(1, steps))
 
@@ -430,7 +438,7 @@ def test_batched_matches_per_sequence_with_mixed_policies() -> None:
         x.accumulate(sc), y.accumulate(sc)
         assert torch.equal(x.select_prompt(), y.select_prompt())
     for _ in range(12):
-        batched = choose_victims_batch(a)
+        batched = choose_victims_batch(a, stacked=True)
         single = torch.stack([s.choose_victims() for s in b])
         assert torch.equal(batched, single)
         width = max(s.num_slots for s in a)
@@ -468,3 +476,14 @@ def test_device_and_counters() -> None:
         st_.accumulate(torch.rand(2, 1, 4))
     assert st_.num_slots == 4 and st_.num_evicted == 9 and st_.num_tokens == 13
     assert st_.scores.dtype == torch.float32 and st_.positions.dtype == torch.int64
+
+
+def test_order_key_is_lexicographic_in_score_then_position() -> None:
+    g = torch.Generator().manual_seed(0)
+    scores = torch.cat([torch.randn(300, generator=g) * 10, torch.tensor([0.0, -0.0, 0.0, 1e-30,
+                        -1e-30, float("inf"), 3.0, 3.0])])
+    positions = torch.randperm(scores.numel(), generator=g)
+    keys = order_key(positions, scores).tolist()
+    expect = sorted(range(scores.numel()),
+                    key=lambda i: (float(scores[i]), int(positions[i])))  # -0.0 == 0.0 here
+    assert sorted(range(scores.numel()), key=lambda i: keys[i]) == expect

@@ -122,15 +122,25 @@ def _col(x: torch.Tensor, ndim: int) -> torch.Tensor:
 
 def candidate_mask(
     positions: torch.Tensor,  # [..., num_slots] int64, -1 = empty
-    newest: torch.Tensor,  # [...] or broadcastable: the newest position counted as "recent"
+    newest: torch.Tensor | int,  # broadcastable: the newest position counted as "recent"
     num_sinks: torch.Tensor | int,  # broadcastable to positions
     num_recent: torch.Tensor | int,  # broadcastable to positions
 ) -> torch.Tensor:  # [..., num_slots] bool
     """Held tokens that may be evicted: not a sink (position < num_sinks) and not among the
     ``num_recent`` most recent positions (position > newest − num_recent)."""
-    occupied = positions >= 0
-    protected = (positions < num_sinks) | (positions > newest - num_recent)
-    return occupied & ~protected
+    return (positions >= num_sinks) & (positions >= 0) & (positions <= newest - num_recent)
+
+
+def order_key(
+    positions: torch.Tensor,  # [..., num_slots] int64, 0 <= position < 2**31
+    scores: torch.Tensor,  # [..., num_slots] float32
+) -> torch.Tensor:  # [..., num_slots] int64
+    """(S, position) packed into one int64 whose order is the lexicographic order: the float32
+    bits of S made monotone (negative floats flipped) in the high half, the position in the low
+    half. Lets one ``argmin`` / ``topk`` break ties by age exactly. NaN sorts above +inf."""
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (bits.long() << 32) | positions
 
 
 def choose_victims_batched(
@@ -147,20 +157,51 @@ def choose_victims_batched(
 
     Under budget (num_held < k) it is the fresh slot ``num_held``; at budget it is the slot of
     the candidate with the lowest S, then the oldest position. Pure: the caller updates state.
+    Sequences may mix policies (``by_score``, sinks, recent differ per row).
     """
     nd = positions.dim()
     cand = candidate_mask(
         positions, _col(new_positions, nd), _col(num_sinks, nd), _col(num_recent, nd)
     )
-    key = torch.where(_col(by_score, nd), scores.float().nan_to_num(0.0), 0.0)
-    key = key.masked_fill(~cand, float("inf"))
-    tie = cand & (key == key.amin(dim=-1, keepdim=True))
-    victims = torch.where(tie, positions, _INT_MAX).argmin(dim=-1)  # [B, L, H]
+    key = torch.where(_col(by_score, nd), order_key(positions, scores), positions)
+    victims = torch.where(cand, key, _INT_MAX).argmin(dim=-1)  # [B, L, H]
     evict = num_held >= budget  # [B]
-    if bool((evict[:, None, None] & ~cand.any(dim=-1)).any()):
+    found = cand.gather(-1, victims.unsqueeze(-1)).squeeze(-1)
+    if bool((evict[:, None, None] & ~found).any()):
         raise RuntimeError("a sequence at its KV budget has no evictable token")
     fresh = _col(num_held, nd - 1).expand_as(victims)
     return torch.where(_col(evict, nd - 1), victims, fresh), evict
+
+
+def choose_victims_one(
+    positions: torch.Tensor,  # [num_layers, num_kv_heads, num_slots] int64, all occupied
+    scores: torch.Tensor,  # [num_layers, num_kv_heads, num_slots] float32
+    new_position: int,
+    num_sinks: int,
+    num_recent: int,
+    by_score: bool,
+) -> torch.Tensor:  # [num_layers, num_kv_heads] int64
+    """One sequence at its budget: the same choice as ``choose_victims_batched`` in ~5 passes
+    over the slots (the hot path on CPU): ties on S are resolved by age only where they occur."""
+    cand = positions <= new_position - num_recent
+    if num_sinks:
+        cand &= positions >= num_sinks
+    if by_score:
+        key = torch.where(cand, scores, float("inf"))
+        victims = key.argmin(dim=-1).unsqueeze(-1)
+        kmin = key.gather(-1, victims)
+        # A tie exists iff the minimum without the first minimiser is still kmin.
+        ties = key.scatter_(-1, victims, float("inf")).amin(dim=-1, keepdim=True) == kmin
+        if bool(ties.any()):  # (no candidate at all: kmin = inf ties too; caught below)
+            key.scatter_(-1, victims, kmin)
+            by_age = torch.where(key == kmin, positions, _INT_MAX).argmin(dim=-1, keepdim=True)
+            victims = torch.where(ties, by_age, victims)
+        victims = victims.squeeze(-1)
+    else:
+        victims = torch.where(cand, positions, _INT_MAX).argmin(dim=-1)
+    if not bool(cand.gather(-1, victims.unsqueeze(-1)).all()):
+        raise RuntimeError("a sequence at its KV budget has no evictable token")
+    return victims
 
 
 def select_keep_mask(
@@ -175,7 +216,7 @@ def select_keep_mask(
     """Keep sinks + the ``num_recent`` most recent + the best of the rest, ``num_keep`` in all.
 
     Evicts the ``held − num_keep`` candidates that come first in (S ascending, position
-    ascending) order — the same order ``choose_victims_batched`` uses one token at a time.
+    ascending) order — the same order ``choose_victims_*`` use one token at a time.
     """
     occupied = positions >= 0
     held = occupied.sum(dim=-1)
@@ -187,14 +228,9 @@ def select_keep_mask(
     cand = candidate_mask(positions, newest, num_sinks, num_recent)
     if int(cand.sum(dim=-1).min()) < m:
         raise RuntimeError("fewer evictable tokens than tokens to evict")
-    # Lexicographic (key, position) order from two stable sorts: position first, then key.
-    pos_key = torch.where(cand, positions, _INT_MAX)
-    by_pos = torch.sort(pos_key, dim=-1, stable=True).indices
-    key = scores.float().nan_to_num(0.0) if by_score else torch.zeros_like(scores, dtype=torch.float)
-    key = key.masked_fill(~cand, float("inf")).gather(-1, by_pos)
-    order = by_pos.gather(-1, torch.sort(key, dim=-1, stable=True).indices)
-    evicted = torch.zeros_like(occupied).scatter_(-1, order[..., :m], True)
-    return occupied & ~evicted
+    key = order_key(positions, scores) if by_score else positions
+    victims = torch.topk(torch.where(cand, key, _INT_MAX), m, dim=-1, largest=False).indices
+    return occupied & ~torch.zeros_like(occupied).scatter_(-1, victims, True)
 
 
 def compaction_map(
@@ -395,14 +431,41 @@ class KVBudgetState:
 def choose_victims_batch(
     states: Sequence[KVBudgetState],
     new_positions: Sequence[int] | None = None,  # default: each state's next position
+    *,
+    stacked: bool | None = None,  # default: True on CUDA, False on CPU
 ) -> torch.Tensor:  # [num_seqs, num_layers, num_kv_heads] int64 slots
-    """Victim (or fresh) slot for every sequence's new token, in one vectorised call.
+    """Victim (or fresh) slot for every sequence's new token; writes the new tokens back.
 
-    Stacks the states into ``[B, L, H, max_slots]`` (padding = empty), runs
-    ``choose_victims_batched`` once and writes the new tokens back into each state.
+    ``stacked=True`` stacks the states into ``[B, L, H, max_slots]`` (padding = empty) and runs
+    ``choose_victims_batched`` once: few kernel launches, the right trade on a GPU. On a CPU the
+    stacking copies cost more than they save, so by default each sequence runs the vectorised
+    ``choose_victims_one`` (a loop over sequences, never over layers or heads). Same result.
     """
     if not states:
         return torch.empty(0, 0, 0, dtype=torch.long)
+    dev = states[0].device
+    newp = [s.num_tokens for s in states] if new_positions is None else list(new_positions)
+    for s, p in zip(states, newp):
+        if p < s.num_tokens:
+            raise ValueError(f"position {p} is not after the last one ({s.num_tokens - 1})")
+    evict = [s.at_budget for s in states]
+    if stacked is None:
+        stacked = dev.type == "cuda"
+    if stacked:
+        slots = _stacked_victims(states, newp)
+    else:
+        slots = torch.stack([
+            choose_victims_one(s.positions, s.scores, p, s.spec.num_sinks, s.spec.num_recent,
+                               s.spec.by_score)
+            if e else torch.full((s.num_layers, s.num_kv_heads), s.num_slots, device=dev)
+            for s, p, e in zip(states, newp, evict)
+        ])
+    for b, s in enumerate(states):
+        s._write_new(slots[b], newp[b], evict[b])
+    return slots
+
+
+def _stacked_victims(states: Sequence[KVBudgetState], newp: list[int]) -> torch.Tensor:
     dev = states[0].device
     width = max(1, max(s.num_slots for s in states))
     pos = torch.full((len(states), states[0].num_layers, states[0].num_kv_heads, width), -1,
@@ -411,12 +474,7 @@ def choose_victims_batch(
     for b, s in enumerate(states):
         pos[b, ..., : s.num_slots] = s.positions
         sc[b, ..., : s.num_slots] = s.scores
-    newp = [s.num_tokens for s in states] if new_positions is None else list(new_positions)
-    for s, p in zip(states, newp):
-        if p < s.num_tokens:
-            raise ValueError(f"position {p} is not after the last one ({s.num_tokens - 1})")
     as_t = lambda xs, dtype=torch.long: torch.tensor(xs, dtype=dtype, device=dev)  # noqa: E731
-    evict = [s.at_budget for s in states]
     slots, _ = choose_victims_batched(
         pos,
         sc,
@@ -427,8 +485,6 @@ def choose_victims_batch(
         as_t([s.spec.num_recent for s in states]),
         as_t([s.spec.by_score for s in states], torch.bool),
     )
-    for b, s in enumerate(states):
-        s._write_new(slots[b], newp[b], evict[b])
     return slots
 
 
