@@ -21,6 +21,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--default-kv-policy", default=None,
+                   choices=["full", "window", "streaming_llm", "h2o", "keyformer"],
+                   help="KV policy for requests that name none")
+    p.add_argument("--default-kv-budget", type=float, default=None,
+                   help="KV budget for requests that give none (fraction of prompt or tokens)")
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -35,6 +40,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False if args.no_prefix_caching else None,
+        default_kv_policy=args.default_kv_policy,
+        default_kv_budget=args.default_kv_budget,
     )
 
 
@@ -48,6 +55,12 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--logprobs", action="store_true")
+    p.add_argument("--kv-policy", default=None,
+                   choices=["full", "window", "streaming_llm", "h2o", "keyformer"],
+                   help="KV eviction policy (SPEC §2)")
+    p.add_argument("--kv-budget", type=float, default=None,
+                   help="KV tokens kept per (layer, head): fraction of the prompt if <= 1, else a count")
+    p.add_argument("--recent-ratio", type=float, default=0.3, help="share of the budget kept recent")
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -63,6 +76,9 @@ def _sampling_params(args: argparse.Namespace):
         n=args.n,
         stop=args.stop,
         logprobs=args.logprobs,
+        kv_policy=args.kv_policy,
+        kv_budget=args.kv_budget,
+        recent_ratio=args.recent_ratio,
     )
 
 
@@ -99,7 +115,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             rate = f"{st.tokens_per_s:.1f} tok/s" if st.tokens_per_s else "n/a"
             print(
                 f"[{st.prompt_tokens} prompt + {st.generated_tokens} generated tokens, "
-                f"TTFT {st.time_to_first_token_s:.3f}s, {rate}, finish={out.finish_reason}]",
+                f"TTFT {st.time_to_first_token_s:.3f}s, {rate}, KV blocks {st.kv_blocks_used}, "
+                f"evicted {st.kv_tokens_evicted}, finish={out.finish_reason}]",
                 file=sys.stderr,
             )
     return 0
