@@ -122,6 +122,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_distill_draft(args: argparse.Namespace) -> int:
+    from keyserve.draft.distill import DistillOptions, distill_draft
+
+    distill_draft(DistillOptions.from_namespace(args))
+    return 0
+
+
+def _add_distill_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target model (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="output draft directory (work files kept under it)")
+    p.add_argument("--layers", type=int, default=2, help="draft decoder layers")
+    p.add_argument("--init-layers", default=None,
+                   help="comma-separated target layers to initialise from (default: first and last)")
+    p.add_argument("--vocab", type=int, default=8192, help="draft LM-head vocabulary size")
+    p.add_argument("--num-prompts", type=int, default=768)
+    p.add_argument("--gen-tokens", type=int, default=192, help="max tokens the target generates per prompt")
+    p.add_argument("--temperature", type=float, default=0.8, help="target sampling temperature")
+    p.add_argument("--greedy-fraction", type=float, default=0.25, help="share of prompts answered greedily")
+    p.add_argument("--teacher-top-k", type=int, default=32, help="target logits kept per position")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch-tokens", type=int, default=2048, help="training tokens per step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--resume", action="store_true", help="continue from DIR's cached data and checkpoint")
+    p.add_argument("--time-budget-min", type=float, default=50.0,
+                   help="stop training early so the whole run ends within this many minutes")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keyserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     gen.set_defaults(func=cmd_generate)
+    distill = sub.add_parser("distill-draft", help="distil a small draft model for speculative decoding")
+    _add_distill_args(distill)
+    distill.set_defaults(func=cmd_distill_draft)
     return parser
 
 
