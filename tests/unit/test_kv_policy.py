@@ -475,6 +475,7 @@ def test_device_and_counters() -> None:
         st_.choose_victims()
         st_.accumulate(torch.rand(2, 1, 4))
     assert st_.num_slots == 4 and st_.num_evicted == 9 and st_.num_tokens == 13
+    assert st_.stats() == {"kv_tokens_held": 4, "tokens_evicted": 9} and st_.num_held == 4
     assert st_.scores.dtype == torch.float32 and st_.positions.dtype == torch.int64
 
 
@@ -487,3 +488,27 @@ def test_order_key_is_lexicographic_in_score_then_position() -> None:
     expect = sorted(range(scores.numel()),
                     key=lambda i: (float(scores[i]), int(positions[i])))  # -0.0 == 0.0 here
     assert sorted(range(scores.numel()), key=lambda i: keys[i]) == expect
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu() -> None:
+    g = torch.Generator().manual_seed(1)
+    for policy in POLICIES:
+        cpu = KVBudgetState(BudgetSpec.create(policy, 6, 0.3), 3, 2, num_spare=2)
+        gpu = KVBudgetState(BudgetSpec.create(policy, 6, 0.3), 3, 2, num_spare=2, device="cuda")
+        for s in (cpu, gpu):
+            s.append(11)
+        sc = torch.randint(0, 3, (3, 2, 11), generator=g).float()
+        cpu.accumulate(sc), gpu.accumulate(sc.cuda())
+        assert torch.equal(cpu.select_prompt(), gpu.select_prompt().cpu())
+        for _ in range(9):
+            a = choose_victims_batch([cpu])
+            b = choose_victims_batch([gpu])  # stacked on CUDA
+            assert torch.equal(a, b.cpu())
+            sc = torch.randint(0, 3, (3, 2, 6), generator=g).float()
+            cpu.accumulate(sc), gpu.accumulate(sc.cuda())
+        for s in (cpu, gpu):
+            s.append(2)
+            s.rollback(s.num_tokens - 1)
+        assert torch.equal(cpu.evict_down_to(), gpu.evict_down_to().cpu())
+        assert torch.equal(cpu.positions, gpu.positions.cpu())

@@ -317,6 +317,14 @@ class KVBudgetState:
         return self._positions[..., : self.num_slots]
 
     @property
+    def num_held(self) -> int:
+        """Tokens held per (layer, kv-head) (the same in every one)."""
+        return self.num_slots
+
+    def stats(self) -> dict[str, int]:
+        return {"kv_tokens_held": self.num_slots, "tokens_evicted": self.num_evicted}
+
+    @property
     def at_budget(self) -> bool:
         return self.spec.budget is not None and self.num_slots >= self.spec.budget
 
