@@ -135,9 +135,8 @@ class ScoreSource:
                         js = [j for j in range(qp + 1) if held[l, h, j]]
                         x = {}
                         for j in js:
-                            x[j] = float(self.queries[l, h, g, qp] @ self.keys[l, h, j]) / math.sqrt(
-                                self.d
-                            )
+                            dot = float(self.queries[l, h, g, qp] @ self.keys[l, h, j])
+                            x[j] = dot / math.sqrt(self.d)
                             if self.kind == "gumbel":
                                 u = min(max(float(U[l, h, g, qi, j]), 1e-20), 1 - 1e-7)
                                 x[j] = (x[j] - math.log(-math.log(u))) / tau

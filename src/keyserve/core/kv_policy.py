@@ -300,7 +300,8 @@ class KVBudgetState:
         self.num_tokens = 0  # positions seen: the next token's position
         self.num_evicted = 0  # tokens evicted per (layer, head)
         cap = (spec.budget + num_spare) if spec.budget is not None else 16
-        self._scores = torch.zeros(num_layers, num_kv_heads, cap, dtype=torch.float32, device=device)
+        self._scores = torch.zeros(num_layers, num_kv_heads, cap, dtype=torch.float32,
+                                   device=device)
         self._positions = torch.full_like(self._scores, -1, dtype=torch.long)
 
     # -- views ---------------------------------------------------------------------------------

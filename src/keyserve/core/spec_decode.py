@@ -83,7 +83,8 @@ def rejection_sample(
     ids = draft_token_ids.to(dev, torch.long).clamp(min=0)  # [num_seqs, max_draft]
     p_tok = draft_probs.float().gather(-1, ids[..., None]).squeeze(-1)  # [num_seqs, max_draft]
     q_tok = target_probs[:, :max_draft].float().gather(-1, ids[..., None]).squeeze(-1)
-    accepted = (accept_uniforms.to(p_tok) * p_tok < q_tok) & (steps[:max_draft] < num_draft[:, None])
+    in_range = steps[:max_draft] < num_draft[:, None]  # [num_seqs, max_draft]
+    accepted = (accept_uniforms.to(p_tok) * p_tok < q_tok) & in_range
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [num_seqs] first rejection
 
     # The one distribution each row samples from: recovered at a rejection, bonus otherwise.
