@@ -13,7 +13,11 @@ slot, and the step's attention mass is added to S. The new token's S starts with
 
 Tie-breaking, everywhere: the lowest S is evicted first, then the oldest position (positions are
 unique within a (layer, head), so the order is total). Window and StreamingLLM use no scores:
-their key is 0, so the oldest candidate goes.
+the oldest candidate goes (for them it is always the token leaving the recent window).
+
+Speculative decoding: a state may hold ``num_spare`` slots beyond k transiently (drafts appended
+without eviction); ``rollback`` drops the rejected ones and ``evict_down_to`` evicts several at
+once, after acceptance is known, so a rejected draft never costs a kept token.
 
 Slots are *logical* (``0 .. num_slots-1`` of the sequence, the engine maps them to physical
 blocks). Slots ``0 .. num_slots-1`` are always all occupied, in every (layer, head), so the
