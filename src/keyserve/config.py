@@ -60,10 +60,29 @@ class SchedulerSettings(_Strict):
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
 
 
+class SpecConfig(_Strict):
+    draft: str | None = Field(
+        None, description="Draft model for speculative sampling (local HF dir or keyserve draft dir)."
+    )
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Draft tokens per step (K).")
+    adaptive_k: bool = Field(
+        False, description="Pick K per request from its running acceptance rate (K is the cap)."
+    )
+    draft_cost_ratio: float | None = Field(
+        None, gt=0.0, le=1.0,
+        description="Cost of one draft forward / one target forward for adaptive K; "
+        "default: the ratio of their weight bytes.",
+    )
+    speculative_by_default: bool = Field(
+        True, description="Requests that do not say use speculation when a draft is loaded."
+    )
+
+
 class EngineConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    spec: SpecConfig = Field(default_factory=SpecConfig)
     seed: int = Field(0, ge=0, description="Seed of the global RNG (unseeded requests).")
 
     @classmethod
@@ -75,12 +94,13 @@ class EngineConfig(_Strict):
     def from_flat(cls, **kwargs: object) -> "EngineConfig":
         """Build from flat keyword arguments (``model=..., block_size=..., max_num_seqs=...``),
         routing each to its section; an unknown name is an error."""
-        sections: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}}
+        sections: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}, "spec": {}}
         top: dict[str, object] = {}
         owners = {
             "model": ModelConfig.model_fields,
             "cache": CacheConfig.model_fields,
             "scheduler": SchedulerSettings.model_fields,
+            "spec": SpecConfig.model_fields,
         }
         for key, value in kwargs.items():
             if value is None:

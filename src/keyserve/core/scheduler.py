@@ -21,7 +21,14 @@ from keyserve.core.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # query tokens this step; K/V of tokens [computed, computed + n)
+    num_new_tokens: int  # real tokens this step; K/V of tokens [computed, computed + n)
+    num_lookahead: int = 0  # slots reserved for speculative draft tokens after them
+    draft_token_ids: list[int] = field(default_factory=list)  # filled by the drafter
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Tokens the target computes this step: the real ones plus the drafts to verify."""
+        return self.num_new_tokens + len(self.draft_token_ids)
 
     @property
     def start(self) -> int:
@@ -36,7 +43,8 @@ class ScheduledSeq:
 @dataclass
 class StepPlan:
     decode: list[ScheduledSeq] = field(default_factory=list)  # one query token each
-    prefill: list[ScheduledSeq] = field(default_factory=list)  # chunks of >= 2 tokens
+    # Chunks of >= 2 tokens, and speculative verifications (1 + K query tokens).
+    prefill: list[ScheduledSeq] = field(default_factory=list)
     blocks_to_copy: list[BlockCopy] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
@@ -46,7 +54,7 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(s.num_new_tokens for s in self.prefill)
+        return len(self.decode) + sum(s.num_new_tokens + s.num_lookahead for s in self.prefill)
 
     @property
     def is_empty(self) -> bool:
@@ -109,14 +117,19 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            # A decoding sequence may speculate: reserve slots for its draft tokens too.
+            ahead = min(seq.num_lookahead, budget - n) if n == seq.num_uncomputed_tokens == 1 else 0
             while True:
-                copies = self.block_manager.allocate_slots(seq, n)
+                copies = self.block_manager.allocate_slots(seq, n + ahead)
                 if copies is not None:
                     plan.blocks_to_copy += copies
-                    scheduled.append(ScheduledSeq(seq, n))
-                    budget -= n
+                    scheduled.append(ScheduledSeq(seq, n, max(ahead, 0)))
+                    budget -= n + max(ahead, 0)
                     i += 1
                     break
+                if ahead > 0:  # no room to speculate: decode plainly before preempting anyone
+                    ahead = 0
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, plan)
                 if victim is seq:
@@ -124,7 +137,8 @@ class Scheduler:
         if not plan.preempted:
             budget = self._admit(plan, scheduled, budget)
         for item in scheduled:
-            (plan.decode if item.num_new_tokens == 1 else plan.prefill).append(item)
+            single = item.num_new_tokens == 1 and not item.num_lookahead
+            (plan.decode if single else plan.prefill).append(item)
         return plan
 
     def _admit(self, plan: StepPlan, scheduled: list[ScheduledSeq], budget: int) -> int:

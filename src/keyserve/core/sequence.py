@@ -54,6 +54,7 @@ class Sequence:
     # A sequence under a KV budget neither reuses nor offers cached prefixes: its eviction
     # scores need every prompt query, and its blocks will be rewritten by compaction.
     kv_budgeted: bool = False
+    num_lookahead: int = 0  # draft tokens to verify at the next decode step (speculation)
     kv_tokens_held: int = 0  # per (layer, kv-head), recorded when a budgeted sequence ends
     kv_tokens_evicted: int = 0
     # n > 1: siblings wait until the first sample's prompt is computed, then fork from it.

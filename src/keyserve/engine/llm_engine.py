@@ -100,11 +100,35 @@ class LLMEngine:
             SchedulerConfig(s.max_num_batched_tokens, s.max_num_seqs, s.enable_chunked_prefill),
             self.block_manager,
         )
+        self.spec = self._build_speculative(config, arch, dtype, num_blocks, block_size)
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, _Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+
+    def _build_speculative(self, config: EngineConfig, arch, dtype, num_blocks: int, block_size: int):
+        """Load the draft with its own KV pool (as many token slots as the target's)."""
+        if config.spec.draft is None:
+            return None
+        from keyserve.engine.draft_worker import DraftWorker
+        from keyserve.engine.speculative import SpeculativeDecoder
+        from keyserve.model.draft import load_draft
+        from keyserve.model.kv_cache import allocate_kv_cache
+
+        draft = load_draft(config.spec.draft, self.loaded, dtype=dtype, device=self.device)
+        if draft.config.vocab_size != arch.vocab_size:
+            raise ValueError(
+                f"draft vocabulary ({draft.config.vocab_size}) differs from the target's ({arch.vocab_size})"
+            )
+        kv = allocate_kv_cache(draft.config, num_blocks, block_size, dtype, self.device)
+        runner = ModelRunner(
+            draft.model, kv, block_size, draft.config.sliding_window, self.device,
+            num_layers=draft.config.num_hidden_layers, num_kv_heads=kv[0][0].shape[2],
+        )
+        drafter = DraftWorker(runner, BlockManager(num_blocks, block_size, True), arch.vocab_size)
+        cost = config.spec.draft_cost_ratio or min(1.0, _weight_bytes(draft.model) / _weight_bytes(self.loaded.model))
+        return SpeculativeDecoder(drafter, config.spec, cost)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -146,6 +170,8 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; raises ValueError on bad input, leaving nothing behind."""
         params = params or SamplingParams()
+        if params.speculative and self.spec is None:
+            raise ValueError("speculative=true needs a draft model (start the engine with a draft)")
         if isinstance(prompt, str) and not prompt.strip() and not prompt_token_ids:
             raise ValueError("prompt is empty")
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt, chat)
@@ -203,11 +229,26 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return a snapshot of every request that made progress."""
+        spec = self.spec
+        if spec is not None:
+            for seq in self.scheduler.running:
+                seq.num_lookahead = (
+                    spec.lookahead(seq, self.max_model_len) if seq.num_uncomputed_tokens == 1 else 0
+                )
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        samples, generators = self._sample_requests(plan)
-        result = self.runner.execute(plan, samples, generators)
+        verify = [it for it in plan.prefill if it.num_lookahead]
+        proposal = spec.propose(verify) if verify else None
+        if proposal is not None:  # those the draft could not serve decode plainly
+            keep = [i for i, it in enumerate(verify) if it.draft_token_ids]
+            verify = [verify[i] for i in keep]
+            proposal = _select_rows(proposal, keep)
+        samples, generators = self._sample_requests(plan, exclude={id(it) for it in verify})
+        for item in verify:
+            generators[item.seq.seq_id] = self._seq_owner[item.seq.seq_id].generators[item.seq.seq_id]
+        rows = {it.seq.seq_id: it.num_query_tokens for it in verify}
+        result = self.runner.execute(plan, samples, generators, logits_rows=rows)
         self.num_steps += 1
         now = time.monotonic()
         touched: dict[str, _Request] = {}
@@ -215,6 +256,20 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit_computed(item.seq)
             touched[item.seq.request_id] = self._seq_owner[item.seq.seq_id]
+        if verify:
+            assert spec is not None and proposal is not None
+            for item, ver in zip(verify, spec.verify(verify, proposal, result.logits, generators)):
+                seq = item.seq
+                seq.num_computed_tokens += ver.num_accepted  # the accepted drafts' KV is valid
+                self.block_manager.truncate(seq, seq.num_computed_tokens)  # drop rejected slots
+                req = self._seq_owner[seq.seq_id]
+                for j, token in enumerate(ver.token_ids):
+                    lp = ver.logprobs[j] if ver.logprobs else None
+                    self._append_token(req, seq, token, lp, now)
+                    if seq.is_finished:  # a stop condition inside the accepted run
+                        break
+                else:
+                    self.block_manager.commit_computed(seq)
         for req_sample in samples:
             source = req_sample.source.seq
             req = self._seq_owner[source.seq_id]
@@ -239,11 +294,11 @@ class LLMEngine:
                 outputs.append(self._snapshot(req))
         return outputs
 
-    def _sample_requests(self, plan: StepPlan) -> tuple[list[SampleRequest], dict]:
+    def _sample_requests(self, plan: StepPlan, exclude: set[int] = frozenset()) -> tuple[list[SampleRequest], dict]:
         samples = []
         generators: dict[int, torch.Generator | None] = {}
         for item in plan.scheduled:
-            if not item.completes:
+            if not item.completes or id(item) in exclude:
                 continue
             seq = item.seq
             req = self._seq_owner[seq.seq_id]
@@ -301,6 +356,8 @@ class LLMEngine:
         if state is not None:
             seq.kv_tokens_held, seq.kv_tokens_evicted = state.num_slots, state.num_evicted
         self.runner.budget.release(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()
@@ -342,7 +399,19 @@ class LLMEngine:
             kv_tokens_held=sum(self._kv_held(s) for s in req.seqs),
             kv_tokens_evicted=sum(self._kv_evicted(s) for s in req.seqs),
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
+            **self._spec_stats(req),
         )
+
+    def _spec_stats(self, req: _Request) -> dict:
+        if self.spec is None or req.request_id not in self.spec.request_stats:
+            return {}
+        st = self.spec.request_stats[req.request_id]
+        return {
+            "spec_draft_tokens": st.num_draft_tokens,
+            "spec_accepted_tokens": st.num_accepted_tokens,
+            "spec_acceptance_rate": st.acceptance_rate,
+            "spec_tokens_per_forward": st.mean_tokens_per_forward,
+        }
 
     def _kv_held(self, seq: Sequence) -> int:
         state = self.runner.budget.get(seq)
@@ -359,7 +428,10 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         for seq in req.all_seqs:
             self._seq_owner.pop(seq.seq_id, None)
-        return self._snapshot(req)
+        out = self._snapshot(req)
+        if self.spec is not None:
+            self.spec.pop_request_stats(req.request_id)
+        return out
 
     # ---------------------------------------------------------------- helpers
     def run_until_done(self) -> dict[str, RequestOutput]:
@@ -371,3 +443,14 @@ class LLMEngine:
             if not self.scheduler.has_work and self.requests:
                 raise RuntimeError("engine has requests but nothing schedulable")
         return finished
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _select_rows(proposal, rows: list[int]):
+    from keyserve.engine.draft_worker import Proposal
+
+    index = torch.tensor(rows, dtype=torch.int64)
+    return Proposal(proposal.token_ids[index], proposal.probs[index], proposal.num_draft[index])

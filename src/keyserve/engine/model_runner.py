@@ -33,6 +33,8 @@ class SampleRequest:
 class StepResult:
     tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled token
     logprobs: dict[int, float] = field(default_factory=dict)  # seq_id -> its logprob
+    # seq_id -> [rows, vocab] float32 logits of the last rows of a verified item
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -89,9 +91,12 @@ class ModelRunner:
         modes: list[str | None] = []
         taus: list[float] = []
         for item in plan.scheduled:
-            seq, start, n = item.seq, item.start, item.num_new_tokens
+            seq, start, n = item.seq, item.start, item.num_query_tokens
             row = len(ids)
-            ids.extend(seq.token_ids[start : start + n])
+            ids.extend(seq.token_ids[start : start + item.num_new_tokens])
+            ids.extend(item.draft_token_ids)
+            if item.draft_token_ids and seq.kv_budgeted:
+                raise RuntimeError("speculative verification under a KV budget is not supported")
             pos = torch.arange(start, start + n, dtype=torch.int64)
             positions.append(pos)
             last_index[seq.seq_id] = row + n - 1
@@ -138,7 +143,7 @@ class ModelRunner:
             decode_context_lens=torch.tensor(context_lens[:n_dec], dtype=torch.int32, device=dev),
             prefill_block_tables=_pad_tables([s.seq.block_table for s in plan.prefill], dev),
             prefill_query_start_loc=torch.tensor(
-                [0] + list(itertools.accumulate(s.num_new_tokens for s in plan.prefill)),
+                [0] + list(itertools.accumulate(s.num_query_tokens for s in plan.prefill)),
                 dtype=torch.int32,
                 device=dev,
             ),
@@ -196,7 +201,9 @@ class ModelRunner:
         plan: StepPlan,
         samples: list[SampleRequest],
         generators: dict[int, torch.Generator | None],
+        logits_rows: dict[int, int] | None = None,  # seq_id -> how many last rows to return
     ) -> StepResult:
+        """One forward: sample for ``samples`` and return raw logits for ``logits_rows``."""
         self.copy_blocks(plan.blocks_to_copy)
         if plan.is_empty:
             return StepResult()
@@ -207,16 +214,26 @@ class ModelRunner:
             for target in req.targets:
                 rows.append(inputs.last_token_index[req.source.seq.seq_id])
                 targets.append(target)
+        raw: list[tuple[int, int, int]] = []  # (seq_id, first row in `rows`, count)
+        for seq_id, count in (logits_rows or {}).items():
+            last = inputs.last_token_index[seq_id]
+            raw.append((seq_id, len(rows), count))
+            rows.extend(range(last - count + 1, last + 1))
+        result = StepResult()
         if not rows:
             self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             self.accumulate_scores(plan, inputs.meta)
-            return StepResult()
-        logits = self.forward_logits(inputs, rows)
+            return result
+        all_logits = self.forward_logits(inputs, rows)
         self.accumulate_scores(plan, inputs.meta)
+        for seq_id, first, count in raw:
+            result.logits[seq_id] = all_logits[first : first + count]
+        if not targets:
+            return result
+        logits = all_logits[: len(targets)]
         st = SamplingTensors.from_params([t.params for t in targets], device=logits.device)
         want_logprobs = any(t.params.logprobs for t in targets)
         tokens, logprobs = sample(logits, st, [generators.get(t.seq_id) for t in targets], want_logprobs)
-        result = StepResult()
         token_list = tokens.tolist()
         lp_list = logprobs.tolist() if logprobs is not None else None
         for i, target in enumerate(targets):

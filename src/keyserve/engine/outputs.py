@@ -17,6 +17,10 @@ class RequestStats:
     kv_tokens_held: int = 0  # KV tokens per (layer, kv-head) at the end, over all samples
     kv_tokens_evicted: int = 0  # tokens dropped by the KV budget, per (layer, kv-head)
     num_preemptions: int = 0
+    spec_draft_tokens: int = 0  # speculative sampling: drafted / accepted tokens
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float | None = None
+    spec_tokens_per_forward: float | None = None  # mean tokens emitted per target forward
 
     def to_dict(self) -> dict:
         return asdict(self)
