@@ -21,6 +21,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--draft", default=None, help="draft model for speculative sampling")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per step (K)")
+    p.add_argument("--adaptive-k", action="store_true", help="pick K from the running acceptance rate")
     p.add_argument("--default-kv-policy", default=None,
                    choices=["full", "window", "streaming_llm", "h2o", "keyformer"],
                    help="KV policy for requests that name none")
@@ -40,6 +43,9 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False if args.no_prefix_caching else None,
+        draft=args.draft,
+        num_speculative_tokens=args.num_speculative_tokens,
+        adaptive_k=True if args.adaptive_k else None,
         default_kv_policy=args.default_kv_policy,
         default_kv_budget=args.default_kv_budget,
     )
@@ -61,6 +67,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget", type=float, default=None,
                    help="KV tokens kept per (layer, head): fraction of the prompt if <= 1, else a count")
     p.add_argument("--recent-ratio", type=float, default=0.3, help="share of the budget kept recent")
+    p.add_argument("--no-speculative", action="store_true", help="decode without the draft")
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -79,6 +86,7 @@ def _sampling_params(args: argparse.Namespace):
         kv_policy=args.kv_policy,
         kv_budget=args.kv_budget,
         recent_ratio=args.recent_ratio,
+        speculative=False if args.no_speculative else None,
     )
 
 
@@ -116,7 +124,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(
                 f"[{st.prompt_tokens} prompt + {st.generated_tokens} generated tokens, "
                 f"TTFT {st.time_to_first_token_s:.3f}s, {rate}, KV blocks {st.kv_blocks_used}, "
-                f"evicted {st.kv_tokens_evicted}, finish={out.finish_reason}]",
+                f"evicted {st.kv_tokens_evicted}, finish={out.finish_reason}"
+                + (f", speculative acceptance {st.spec_acceptance_rate:.0%}, "
+                   f"{st.spec_tokens_per_forward:.2f} tokens/forward" if st.spec_draft_tokens else "")
+                + "]",
                 file=sys.stderr,
             )
     return 0
