@@ -44,6 +44,9 @@ class _Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     max_blocks: int = 0
+    # Teacher forcing (evaluation): emit these tokens instead of sampling, keeping the model's
+    # log-probability of each, so perplexity can be measured under any KV policy.
+    forced_token_ids: list[int] | None = None
 
     @property
     def all_seqs(self) -> list[Sequence]:
@@ -167,9 +170,17 @@ class LLMEngine:
         request_id: str | None = None,
         chat: bool = False,
         prompt_token_ids: list[int] | None = None,
+        forced_token_ids: list[int] | None = None,
     ) -> str:
         """Validate and queue a request; raises ValueError on bad input, leaving nothing behind."""
         params = params or SamplingParams()
+        if forced_token_ids is not None:
+            if params.n != 1 or not forced_token_ids:
+                raise ValueError("teacher forcing needs n == 1 and at least one forced token")
+            params = params.model_copy(
+                update={"max_tokens": len(forced_token_ids), "speculative": False, "logprobs": True,
+                        "ignore_eos": True, "stop": [], "stop_token_ids": []}
+            )
         if params.speculative and self.spec is None:
             raise ValueError("speculative=true needs a draft model (start the engine with a draft)")
         if isinstance(prompt, str) and not prompt.strip() and not prompt_token_ids:
@@ -201,6 +212,7 @@ class LLMEngine:
             now,
             seqs=[seqs[0]],
             pending_forks=seqs[1:],
+            forced_token_ids=list(forced_token_ids) if forced_token_ids is not None else None,
         )
         for seq in seqs:
             seq.kv_budgeted = budget_spec(seq, self.budget_defaults) is not None
@@ -244,10 +256,16 @@ class LLMEngine:
             keep = [i for i, it in enumerate(verify) if it.draft_token_ids]
             verify = [verify[i] for i in keep]
             proposal = _select_rows(proposal, keep)
-        samples, generators = self._sample_requests(plan, exclude={id(it) for it in verify})
+        forced = [
+            it for it in plan.scheduled
+            if it.completes and self._seq_owner[it.seq.seq_id].forced_token_ids is not None
+        ]
+        skip = {id(it) for it in verify} | {id(it) for it in forced}
+        samples, generators = self._sample_requests(plan, exclude=skip)
         for item in verify:
             generators[item.seq.seq_id] = self._seq_owner[item.seq.seq_id].generators[item.seq.seq_id]
         rows = {it.seq.seq_id: it.num_query_tokens for it in verify}
+        rows.update({it.seq.seq_id: 1 for it in forced})
         result = self.runner.execute(plan, samples, generators, logits_rows=rows)
         self.num_steps += 1
         now = time.monotonic()
@@ -270,6 +288,13 @@ class LLMEngine:
                         break
                 else:
                     self.block_manager.commit_computed(seq)
+        for item in forced:
+            seq = item.seq
+            req = self._seq_owner[seq.seq_id]
+            token = req.forced_token_ids[len(seq.output_token_ids)]
+            logprob = torch.log_softmax(result.logits[seq.seq_id][-1].float(), dim=-1)[token]
+            self._append_token(req, seq, token, float(logprob), now)
+        self._compact_prompts([it.seq for it in forced])
         for req_sample in samples:
             source = req_sample.source.seq
             req = self._seq_owner[source.seq_id]
