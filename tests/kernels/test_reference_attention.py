@@ -90,3 +90,18 @@ def test_write_kv_reference_per_token_and_per_head_slots():
     write_kv_reference(key, value, k_cache, v_cache, per_head)
     assert torch.equal(k_cache[0, 0, 0], key[0, 0]) and torch.equal(k_cache[2, 1, 1], key[0, 1])
     assert torch.equal(v_cache[0, 2, 1], value[1, 1]) and torch.equal(k_cache[0, 3, 0], key[2, 0])
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_fast_cpu_path_equals_explicit_logits(window):
+    """Without scores the reference runs fused SDPA on gathered blocks; with scores it builds
+    the logits itself. Both give the same output (mixed lengths need the key mask, equal
+    lengths take the sliced no-mask route)."""
+    for lens in ([0, 3, 16, 50], [33, 33]):
+        case = make_case(lens, 16, 3, 64, seed=len(lens))
+        q = torch.randn(len(lens), 9, 64)
+        args = (q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125, window)
+        fast, _ = paged_decode_attention_reference(*args)
+        explicit, _ = paged_decode_attention_reference(*args, score_mode="softmax")
+        torch.testing.assert_close(fast, explicit, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fast, dense_decode(case, q, 0.125, window), atol=1e-5, rtol=1e-5)

@@ -1,8 +1,9 @@
 """Pure-torch paged attention and KV writes.
 
 These are the CPU path of the engine and the oracle the Triton kernels are tested against.
-They gather K/V through block tables and are vectorised over sequences (decode) or loop once
-per sequence per layer (prefill), never per token.
+Without score output, attention goes through ``cpu_paths`` (block gather into reused buffers,
+then torch's fused SDPA); with score output it materialises the logits here, vectorised over
+sequences (decode) or once per sequence per layer (prefill), never per token.
 
 Cache layout (one layer): ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads,
 head_dim]``. A *slot* is ``block_id * block_size + offset``; a sequence's *logical* slot ``i`` lives
@@ -21,6 +22,8 @@ import math
 from typing import Literal
 
 import torch
+
+from keyserve.kernels import cpu_paths
 
 ScoreMode = Literal["softmax", "gumbel"]
 
@@ -114,6 +117,11 @@ def paged_decode_attention_reference(
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
+    if score_mode is None:
+        lens = context_lens.tolist()
+        return cpu_paths.decode_sdpa(
+            query, k_cache, v_cache, block_tables, lens, scale, sliding_window
+        ), None
     max_ctx = int(context_lens.max().item()) if num_seqs else 0
     out = torch.zeros_like(query)
     if num_seqs == 0 or max_ctx == 0:
@@ -167,6 +175,10 @@ def paged_prefill_attention_reference(
     num_seqs = block_tables.shape[0]
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
+    if score_mode is None:
+        return cpu_paths.prefill_sdpa(
+            query, k_cache, v_cache, block_tables, starts, lens, scale, sliding_window
+        ), None
     max_ctx = max(lens) if lens else 0
     out = torch.zeros_like(query)
     scores = (

@@ -1,0 +1,145 @@
+"""Fast CPU paths for paged attention without score output: gather, then fused SDPA.
+
+The explicit-logits code in ``reference.py`` materialises ``[heads, queries, slots]`` logits and
+runs softmax as separate ops; on a CPU that is several times slower than torch's fused
+``scaled_dot_product_attention`` (flash kernel with GQA). When no scores are requested the
+reference functions route here instead:
+
+- K/V are gathered block by block with ``index_select`` into reusable per-thread workspace
+  buffers (a fresh multi-MB tensor per call costs page faults that rival the attention itself);
+- decode batches are cut into groups of sequences whose gathered K/V fit ``GROUP_BYTES``, so the
+  copy is still in the last-level cache when SDPA reads it;
+- a sliding window gathers only the blocks inside the window.
+
+Semantics are those of ``reference.py`` (slot-causal masks, empty sequences give zeros).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+GROUP_BYTES = 8 << 20  # gathered K+V per decode group: well inside a 32 MiB L3
+
+# Per thread: tensor-parallel ranks may run as threads of one process (tests do).
+_local = threading.local()
+
+
+def _buffer(name: str, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A reusable scratch tensor of ``shape`` (grown, never shrunk)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    workspace: dict[tuple[str, torch.dtype, torch.device], torch.Tensor]
+    workspace = _local.__dict__.setdefault("buffers", {})
+    key = (name, like.dtype, like.device)
+    buf = workspace.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+        workspace[key] = buf
+    return buf[:numel].view(shape)
+
+
+def _gather(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    blocks: torch.Tensor,  # [num_seqs, n] int: physical block ids
+    name: str,
+) -> torch.Tensor:  # [num_seqs, num_kv_heads, n * block_size, head_dim] (a strided view)
+    num_seqs, n = blocks.shape
+    _, block_size, heads, dim = cache.shape
+    out = _buffer(name, cache, (num_seqs * n, block_size, heads, dim))
+    torch.index_select(cache, 0, blocks.reshape(-1).long(), out=out)
+    return out.view(num_seqs, n * block_size, heads, dim).transpose(1, 2)
+
+
+def _groups(lens: list[int], bytes_per_slot: int, budget: int) -> list[tuple[int, int]]:
+    """Consecutive [start, end) groups whose gathered K/V stay under ``budget`` bytes."""
+    groups, start, longest = [], 0, 0
+    for i, n in enumerate(lens):
+        longest_if = max(longest, n)
+        if i > start and (i + 1 - start) * longest_if * bytes_per_slot > budget:
+            groups.append((start, i))
+            start, longest_if = i, n
+        longest = longest_if
+    if lens:
+        groups.append((start, len(lens)))
+    return groups
+
+
+def decode_sdpa(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
+    lens: list[int],  # filled slots per sequence
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    out = torch.zeros_like(query)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    slot_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()
+    device = query.device
+    for s0, s1 in _groups(lens, slot_bytes, GROUP_BYTES):
+        group = lens[s0:s1]
+        hi = max(group)
+        if hi == 0:
+            continue
+        lo = 0 if sliding_window is None else max(0, min(group) - sliding_window)
+        b0, b1 = lo // block_size, (hi + block_size - 1) // block_size
+        tables = block_tables[s0:s1, b0:b1]
+        k = _gather(k_cache, tables, "k")
+        v = _gather(v_cache, tables, "v")
+        q = query[s0:s1].unsqueeze(2).to(k.dtype)  # [g, num_heads, 1, head_dim]
+        ctx = torch.tensor(group, device=device)[:, None]
+        mask = None
+        if min(group) == hi:  # equal lengths: slice the slots instead of masking
+            first = b0 * block_size
+            start = 0 if sliding_window is None else max(0, hi - sliding_window) - first
+            k, v = k[:, :, start : hi - first], v[:, :, start : hi - first]
+        else:
+            slots = torch.arange(b0 * block_size, b1 * block_size, device=device)[None, :]
+            keep = slots < ctx
+            if sliding_window is not None:
+                keep &= slots >= ctx - sliding_window
+            mask = keep[:, None, None, :]  # [g, 1, 1, slots]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = o.squeeze(2).to(query.dtype)
+        empty = ctx[:, 0] == 0
+        out[s0:s1] = o.masked_fill(empty[:, None, None], 0.0) if bool(empty.any()) else o
+    return out
+
+
+def prefill_sdpa(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
+    starts: list[int],  # [num_seqs + 1] query offsets
+    lens: list[int],  # slots after this chunk, per sequence
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    out = torch.zeros_like(query)
+    block_size = k_cache.shape[1]
+    device = query.device
+    for i, ctx in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0 or ctx == 0:
+            continue
+        prefix = ctx - q_len
+        lo = 0 if sliding_window is None else max(0, prefix - sliding_window + 1)
+        b0, b1 = lo // block_size, (ctx + block_size - 1) // block_size
+        k = _gather(k_cache, block_tables[i : i + 1, b0:b1], "k")
+        v = _gather(v_cache, block_tables[i : i + 1, b0:b1], "v")
+        q = query[q_start:q_end].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, q_len, D]
+        rows = torch.arange(q_len, device=device)[:, None] + prefix
+        cols = torch.arange(b0 * block_size, b1 * block_size, device=device)[None, :]
+        keep = (cols <= rows) & (cols < ctx)
+        if sliding_window is not None:
+            keep &= cols > rows - sliding_window
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=True)
+        out[q_start:q_end] = o[0].transpose(0, 1).to(query.dtype)
+    return out
