@@ -158,6 +158,9 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
+        # The shared blocks are laid out under the parent's cap (compacted, ring slots): the
+        # child must size and copy-on-write its writes by the same cap.
+        child.kv_slot_cap = parent.kv_slot_cap
 
     def truncate(self, seq: Sequence, num_slots: int) -> None:
         """Keep only the blocks that hold the first ``num_slots`` slots (speculative rollback,
