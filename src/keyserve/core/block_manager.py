@@ -86,7 +86,9 @@ class BlockManager:
         new_blocks = max(0, self.blocks_for_slots(slots_after) - held)
         # The first slot written lies in the current last block if that block is partly filled
         # (or, under a KV budget, anywhere among the held blocks): copy it first if it is shared.
-        cow = self._shared_blocks_written(seq, slots_now, slots_after)
+        cap = seq.kv_slot_cap
+        writes_past_cap = cap is not None and computed + num_new_tokens > cap
+        cow = self._shared_blocks_written(seq, slots_now, slots_after, writes_past_cap)
         # Cached blocks with ref 0 sit in the free queue; acquiring them shrinks it.
         revived = sum(1 for b in cached_prefix if b.ref_cnt == 0)
         if new_blocks + len(cow) > self.pool.num_free_blocks - revived:
@@ -103,10 +105,13 @@ class BlockManager:
             seq.block_table.append(self.pool.allocate().block_id)
         return copies
 
-    def _shared_blocks_written(self, seq: Sequence, slots_now: int, slots_after: int) -> list[int]:
+    def _shared_blocks_written(
+        self, seq: Sequence, slots_now: int, slots_after: int, writes_past_cap: bool
+    ) -> list[int]:
         """Indices in the block table of shared blocks that the next writes touch."""
-        if seq.kv_slot_cap is not None and slots_now >= seq.kv_slot_cap:
-            # At its budget, a sequence writes into evicted slots anywhere in its blocks.
+        if writes_past_cap:
+            # Any token beyond its budget goes into an evicted slot anywhere in its blocks
+            # (also when the step starts below the cap and crosses it).
             indices = range(len(seq.block_table))
         else:
             first = slots_now // self.block_size
