@@ -88,7 +88,8 @@ class BlockManager:
         # (or, under a KV budget, anywhere among the held blocks): copy it first if it is shared.
         cap = seq.kv_slot_cap
         writes_past_cap = cap is not None and computed + num_new_tokens > cap
-        cow = self._shared_blocks_written(seq, slots_now, slots_after, writes_past_cap)
+        written = self._blocks_written(seq, slots_now, slots_after, writes_past_cap)
+        cow = [i for i in written if self.pool.blocks[seq.block_table[i]].ref_cnt > 1]
         # Cached blocks with ref 0 sit in the free queue; acquiring them shrinks it.
         revived = sum(1 for b in cached_prefix if b.ref_cnt == 0)
         if new_blocks + len(cow) > self.pool.num_free_blocks - revived:
@@ -101,14 +102,18 @@ class BlockManager:
             seq.num_cached_tokens = num_cached_tokens
             self.prefix_hits += num_cached_tokens
         copies = [self._copy_on_write(seq, index) for index in cow]
+        # A block rewritten in place (the tail after a rollback into a block that had been
+        # full, any block once past the cap) no longer holds what its hash names.
+        for index in written:
+            self.pool.uncache(self.pool.blocks[seq.block_table[index]])
         for _ in range(new_blocks):
             seq.block_table.append(self.pool.allocate().block_id)
         return copies
 
-    def _shared_blocks_written(
+    def _blocks_written(
         self, seq: Sequence, slots_now: int, slots_after: int, writes_past_cap: bool
     ) -> list[int]:
-        """Indices in the block table of shared blocks that the next writes touch."""
+        """Indices in the block table of held blocks that the next writes touch."""
         if writes_past_cap:
             # Any token beyond its budget goes into an evicted slot anywhere in its blocks
             # (also when the step starts below the cap and crosses it).
@@ -117,7 +122,7 @@ class BlockManager:
             first = slots_now // self.block_size
             last = min(self.blocks_for_slots(slots_after), len(seq.block_table))
             indices = range(first, last)
-        return [i for i in indices if self.pool.blocks[seq.block_table[i]].ref_cnt > 1]
+        return list(indices)
 
     def _copy_on_write(self, seq: Sequence, index: int) -> BlockCopy:
         old = self.pool.blocks[seq.block_table[index]]
