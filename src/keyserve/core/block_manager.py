@@ -7,6 +7,9 @@ allocation and preempt when it fails). Copies that copy-on-write requires are re
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 from keyserve.core.block_pool import BlockPool, KVBlock
 from keyserve.core.sequence import Sequence
 
@@ -14,9 +17,18 @@ BlockCopy = tuple[int, int]
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple = ()) -> int:
-    """Chained block hash h_i = H(h_{i-1}, tokens_i, extra): equal hashes imply equal prefixes
-    (modulo collisions, which the pool rules out by comparing tokens on a hit)."""
-    return hash((parent_hash, token_ids, extra_keys))
+    """Chained block hash h_i = H(h_{i-1}, tokens_i, extra): equal hashes imply equal prefixes.
+
+    SHA-256, not the builtin ``hash``: the builtin hashes ``None`` by address before Python
+    3.12, so chains differed per process (Ray actors, an on-disk prefix store), and its tuple
+    hash is not collision resistant. The pool compares a hit's own tokens, but not the tokens
+    before them, so only a collision-resistant chain keeps crafted prompts from reading another
+    request's K/V (vLLM's CVE-2025-25183)."""
+    h = hashlib.sha256()
+    h.update(b"-" if parent_hash is None else parent_hash.to_bytes(33, "little", signed=True))
+    h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
+    h.update(repr(extra_keys).encode())
+    return int.from_bytes(h.digest(), "little")
 
 
 class BlockManager:
