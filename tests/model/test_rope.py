@@ -97,9 +97,9 @@ def test_cos_sin_bit_identical(name: str) -> None:
     cos_hf, sin_hf = hf_rope(x, pos[None])
     cos, sin = rope(pos, torch.float32)
     half = ours_config.head_dim // 2
-    for ours, theirs in ((cos, cos_hf[0]), (sin, sin_hf[0])):
-        assert torch.equal(ours[:, 0], theirs[:, :half])
-        assert torch.equal(ours[:, 0], theirs[:, half:])
+    assert torch.equal(cos[:, 0], cos_hf[0])
+    assert torch.equal(sin[:, 0, half:], sin_hf[0, :, half:])
+    assert torch.equal(sin[:, 0, :half], -sin_hf[0, :, :half])  # stored signed: [-s, s]
     assert rope.attention_scaling == hf_rope.attention_scaling
 
 

@@ -72,8 +72,8 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [n, hidden]
-        cos: torch.Tensor,  # [n, 1, head_dim // 2]
-        sin: torch.Tensor,  # [n, 1, head_dim // 2]
+        cos: torch.Tensor,  # [n, 1, head_dim]: [c, c]
+        sin: torch.Tensor,  # [n, 1, head_dim]: [-s, s]
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [n, hidden]
@@ -122,8 +122,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,  # [n, hidden]
-        cos: torch.Tensor,  # [n, 1, head_dim // 2]
-        sin: torch.Tensor,  # [n, 1, head_dim // 2]
+        cos: torch.Tensor,  # [n, 1, head_dim]: [c, c]
+        sin: torch.Tensor,  # [n, 1, head_dim]: [-s, s]
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [n, hidden]

@@ -113,22 +113,27 @@ class RotaryEmbedding(nn.Module):
         self,
         positions: torch.Tensor,  # [num_tokens] int64
         dtype: torch.dtype,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [num_tokens, 1, head_dim // 2]
-        """Gather this step's rows once; every layer reuses them."""
-        cos = self.cos_table.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self.sin_table.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, signed sin: [num_tokens, 1, head_dim]
+        """Gather this step's rows once; every layer reuses them.
+
+        Returns ``cos`` as ``[c, c]`` and ``sin`` as ``[-s, s]`` so that the rotation is
+        ``x * cos + swap_halves(x) * sin``: four kernels per call instead of seven.
+        """
+        c = self.cos_table.index_select(0, positions).to(dtype)
+        s = self.sin_table.index_select(0, positions).to(dtype)
+        return torch.cat((c, c), -1).unsqueeze(1), torch.cat((-s, s), -1).unsqueeze(1)
 
 
 def apply_rotary(
     x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
-    sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]: [c, c]
+    sin: torch.Tensor,  # [num_tokens, 1, head_dim]: [-s, s]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], contiguous
     """Rotate-half RoPE (the Hugging Face layout): ``x*cos + rotate_half(x)*sin``.
 
-    Written on the halves, which is the same arithmetic bit for bit with half the multiplies.
+    ``rotate_half(x) * [s, s]`` is ``[-x2 * s, x1 * s]`` = ``swap_halves(x) * [-s, s]`` exactly
+    (negation is exact), so the result is bit-identical to transformers'.
     """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    n, h, d = x.shape
+    swapped = x.reshape(n, h, 2, d // 2).flip(2).reshape(n, h, d)
+    return x * cos + swapped * sin

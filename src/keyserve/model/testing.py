@@ -147,12 +147,37 @@ class PagedRunner:
         return {s: torch.cat(parts) for s, parts in out.items()}
 
     @torch.inference_mode()
-    def greedy(self, prompt: Sequence[int], max_new_tokens: int, seq_id: int = 0) -> list[int]:
-        """Greedy continuation of one prompt (batch 1), for end-to-end checks and benchmarks."""
-        logits = self.step(prefill=[(seq_id, list(prompt))])
-        token = int(logits[-1].argmax())
-        generated = [token]
-        for _ in range(max_new_tokens - 1):
-            token = int(self.step(decode=[(seq_id, token)])[0].argmax())
-            generated.append(token)
-        return generated
+    def greedy(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        seq_id: int = 0,
+        stop_token_ids: Sequence[int] = (),
+    ) -> list[int]:
+        """Greedy continuation of one prompt (batch 1); see ``greedy_batch``."""
+        return self.greedy_batch({seq_id: prompt}, max_new_tokens, stop_token_ids)[seq_id]
+
+    @torch.inference_mode()
+    def greedy_batch(
+        self,
+        prompts: dict[int, Sequence[int]],  # seq_id -> prompt tokens
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int] = (),
+    ) -> dict[int, list[int]]:
+        """Greedy continuations of several prompts decoded together (continuous batching with
+        fixed membership); a sequence stops after emitting a stop token, which is included
+        (as transformers' ``generate`` does)."""
+        logits = self.step(prefill=[(s, list(p)) for s, p in prompts.items()])
+        ends = torch.tensor([len(p) for p in prompts.values()]).cumsum(0) - 1
+        out = {s: [int(t)] for s, t in zip(prompts, logits[ends].argmax(-1).tolist())}
+
+        def running() -> list[int]:
+            return [
+                s for s, g in out.items() if len(g) < max_new_tokens and g[-1] not in stop_token_ids
+            ]
+
+        while active := running():
+            logits = self.step(decode=[(s, out[s][-1]) for s in active])
+            for s, t in zip(active, logits.argmax(-1).tolist()):
+                out[s].append(int(t))
+        return out
