@@ -115,3 +115,68 @@ class EngineConfig(_Strict):
                 else:
                     raise ValueError(f"unknown engine option {key!r}")
         return cls.model_validate({**sections, **top})
+
+
+from pydantic import field_validator  # noqa: E402  (ServeConfig was appended)
+
+
+class ServeConfig(_Strict):
+    """One OpenAI-compatible server: the engine it wraps plus the HTTP-side limits.
+
+    The same model validates ``keyserve serve`` flags, ``build_app(args)`` of a Ray Serve /
+    KubeRay ``serveConfigV2`` application and the batch job's options.
+    """
+
+    model: str | None = Field(None, description="Model to serve; None is the default model.")
+    served_model_name: str | None = Field(
+        None, description="Name clients put in `model`; default: the model's directory name."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights/KV dtype.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree (only 1 until the Ray TP engine).")
+    max_model_len: int | None = Field(None, ge=2, description="Context length limit.")
+    block_size: int | None = Field(None, ge=1, le=256, description="Token slots per KV block.")
+    num_blocks: int | None = Field(None, ge=2, description="KV blocks in the pool.")
+    kv_cache_memory_gb: float | None = Field(None, gt=0.0, description="Memory for the KV pool.")
+    max_num_seqs: int | None = Field(None, ge=1, description="Sequences running at once.")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens per step.")
+    enable_prefix_caching: bool | None = Field(None, description="Reuse KV of identical prefixes.")
+    draft: str | None = Field(None, description="Draft model for speculative sampling.")
+    num_speculative_tokens: int | None = Field(None, ge=1, le=16, description="Draft tokens per step.")
+    adaptive_k: bool | None = Field(None, description="Pick K from the running acceptance rate.")
+    default_kv_policy: KVPolicyName | None = Field(None, description="KV policy when a request names none.")
+    default_kv_budget: float | None = Field(None, gt=0.0, description="KV budget when a request gives none.")
+    seed: int | None = Field(None, ge=0, description="Seed of the engine's global RNG.")
+    api_key: str | None = Field(
+        None, description="If set, /v1/* require `Authorization: Bearer <api_key>`."
+    )
+    max_queued_requests: int = Field(
+        256, ge=0,
+        description="Requests allowed to wait beyond the max_num_seqs running ones; more get 503.",
+    )
+    request_timeout_s: float | None = Field(
+        600.0, gt=0.0, description="Server-side limit per request (queueing included); 408 after."
+    )
+    retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with a 503.")
+
+    @field_validator("tp")
+    @classmethod
+    def _tp_not_yet(cls, value: int) -> int:
+        if value > 1:
+            raise ValueError(
+                f"tp={value}: tensor parallelism needs the Ray tensor-parallel engine, which is not "
+                "available yet; serve with tp=1"
+            )
+        return value
+
+    def engine_config(self) -> "EngineConfig":
+        """The EngineConfig this server runs (unset fields keep the engine's defaults)."""
+        names = set(ModelConfig.model_fields) | set(CacheConfig.model_fields)
+        names |= set(SchedulerSettings.model_fields) | set(SpecConfig.model_fields) | {"seed"}
+        return EngineConfig.from_flat(**{k: getattr(self, k) for k in type(self).model_fields if k in names})
+
+    def model_name(self) -> str:
+        """The name clients use: served_model_name, else the model path's last part."""
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model).name.removesuffix(".gguf") if self.model else DEFAULT_MODEL
