@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,8 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.report import BENCHMARKS_MD, markdown_table, update_section
-from keyserve.kernels.reference import paged_decode_attention_reference
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.report import BENCHMARKS_MD, markdown_table, update_section  # noqa: E402
+from keyserve.kernels.reference import paged_decode_attention_reference  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 CONTEXTS = (512, 2048, 8192)

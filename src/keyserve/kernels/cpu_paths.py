@@ -50,7 +50,7 @@ def _gather(
     num_seqs, n = blocks.shape
     _, block_size, heads, dim = cache.shape
     out = _buffer(name, cache, (num_seqs * n, block_size, heads, dim))
-    torch.index_select(cache, 0, blocks.reshape(-1).long(), out=out)
+    torch.index_select(cache, 0, blocks.reshape(-1), out=out)
     return out.view(num_seqs, n * block_size, heads, dim).transpose(1, 2)
 
 
@@ -77,38 +77,53 @@ def decode_sdpa(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    out = torch.zeros_like(query)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     slot_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()
-    device = query.device
-    for s0, s1 in _groups(lens, slot_bytes, GROUP_BYTES):
-        group = lens[s0:s1]
-        hi = max(group)
-        if hi == 0:
-            continue
-        lo = 0 if sliding_window is None else max(0, min(group) - sliding_window)
-        b0, b1 = lo // block_size, (hi + block_size - 1) // block_size
-        tables = block_tables[s0:s1, b0:b1]
-        k = _gather(k_cache, tables, "k")
-        v = _gather(v_cache, tables, "v")
-        q = query[s0:s1].unsqueeze(2).to(k.dtype)  # [g, num_heads, 1, head_dim]
-        ctx = torch.tensor(group, device=device)[:, None]
-        mask = None
-        if min(group) == hi:  # equal lengths: slice the slots instead of masking
-            first = b0 * block_size
-            start = 0 if sliding_window is None else max(0, hi - sliding_window) - first
-            k, v = k[:, :, start : hi - first], v[:, :, start : hi - first]
-        else:
-            slots = torch.arange(b0 * block_size, b1 * block_size, device=device)[None, :]
-            keep = slots < ctx
-            if sliding_window is not None:
-                keep &= slots >= ctx - sliding_window
-            mask = keep[:, None, None, :]  # [g, 1, 1, slots]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        o = o.squeeze(2).to(query.dtype)
-        empty = ctx[:, 0] == 0
-        out[s0:s1] = o.masked_fill(empty[:, None, None], 0.0) if bool(empty.any()) else o
+    groups = _groups(lens, slot_bytes, GROUP_BYTES)
+    if len(groups) == 1 and min(lens) > 0:  # one group: no output buffer to stitch into
+        return _decode_group(query, k_cache, v_cache, block_tables, lens, scale, sliding_window)
+    out = torch.zeros_like(query)
+    for s0, s1 in groups:
+        if max(lens[s0:s1]) > 0:
+            out[s0:s1] = _decode_group(query[s0:s1], k_cache, v_cache, block_tables[s0:s1],
+                                       lens[s0:s1], scale, sliding_window)
     return out
+
+
+def _decode_group(
+    query: torch.Tensor,  # [g, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [g, max_blocks] int
+    lens: list[int],  # g lengths, at least one > 0
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # [g, num_heads, head_dim]
+    block_size = k_cache.shape[1]
+    hi, shortest = max(lens), min(lens)
+    lo = 0 if sliding_window is None else max(0, shortest - sliding_window)
+    b0, b1 = lo // block_size, (hi + block_size - 1) // block_size
+    tables = block_tables[:, b0:b1]
+    k = _gather(k_cache, tables, "k")
+    v = _gather(v_cache, tables, "v")
+    q = query.unsqueeze(2).to(k.dtype)  # [g, num_heads, 1, head_dim]
+    first = b0 * block_size
+    mask = None
+    if shortest == hi:  # equal lengths: slice the slots instead of masking
+        start = 0 if sliding_window is None else max(0, hi - sliding_window) - first
+        k, v = k[:, :, start : hi - first], v[:, :, start : hi - first]
+    else:
+        slots = torch.arange(first, b1 * block_size, device=query.device)[None, :]
+        ctx = torch.tensor(lens, device=query.device)[:, None]
+        keep = slots < ctx
+        if sliding_window is not None:
+            keep &= slots >= ctx - sliding_window
+        mask = keep[:, None, None, :]  # [g, 1, 1, slots]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    o = o.squeeze(2).to(query.dtype)
+    if shortest == 0:  # fully masked rows: zeros, whatever the SDPA backend returns
+        o[torch.tensor(lens, device=query.device) == 0] = 0.0
+    return o
 
 
 def prefill_sdpa(
