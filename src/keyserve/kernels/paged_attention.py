@@ -4,7 +4,9 @@ The launchers (``write_kv``, ``paged_decode_attention``, ``paged_prefill_attenti
 same arguments and return the same values as their pure-torch twins in ``reference.py``; extra
 keyword-only knobs (``seed``, ``split_k``, ``partition_size``) exist for tests and tuning.
 This is the only module that imports triton, so ``import keyserve`` never needs it. Under
-``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (that is how the test suite runs them).
+``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (that is how the test suite runs them,
+against the reference); ``tests/kernels/aot_compile.py`` compiles them for sm_80/sm_90 through
+ptxas. Until they have run on a GPU, treat their speed (tile sizes, warps) as untuned.
 
 Kernel layout, in short:
 
@@ -20,10 +22,17 @@ Kernel layout, in short:
 - **Prefill / chunked prefill**: one program per (sequence, kv-head, tile of ``BLOCK_Q`` query
   tokens); its rows are (query token, group head) pairs. Query ``j`` sits at slot ``P + j``
   (``P`` = cached prefix) and attends slots ``<= P + j`` (and ``> P + j - window``).
-- **Scores for KV budgets** (see ``_scores_kernel``): the attention kernels write each row's
-  raw logit per slot into a float32 scratch buffer while they stream K/V, plus the row's final
-  max and sum; a small kernel then normalises the stored logits and sums them over the group's
-  heads and the chunk's queries. The K/V cache is read exactly once.
+- **Scores for KV budgets** (see ``_scores_kernel``): a slot's probability needs the row's final
+  max and sum, known only after the last tile (and, split-K, after the reduce). Rather than a
+  second loop over K, the attention kernels write each row's logit per slot (raw for H2O, the
+  Gumbel-perturbed ``(x + ζ) / τ`` for Keyformer, with its own online max/sum) into a float32
+  scratch ``[tokens, heads, max_context]`` while they stream K/V, plus each row's final
+  max/sum; ``_scores_kernel`` then normalises the stored logits and sums them over the
+  group's heads and the chunk's queries. Per slot and kv-head that is ``2 * G * 4`` bytes of
+  scratch traffic (24 for SmolLM2) against ``head_dim * 2`` bytes (128) for re-reading a bf16
+  key, and it needs no atomics, so the summed scores are deterministic. The K/V cache is read
+  exactly once. The scratch is O(tokens * heads * context) and exists only when scores are
+  requested (KV-budget runs, whose contexts the budget keeps short after the prompt).
 """
 
 from __future__ import annotations
