@@ -72,6 +72,12 @@ def _priority(seq: Sequence) -> tuple[float, int]:
     return (seq.arrival, seq.seq_id)
 
 
+def _seats(seq: Sequence) -> int:
+    """Seats a sequence will occupy: a first sample that has not produced a token yet will
+    fork its n - 1 siblings into the running set."""
+    return seq.params.n if seq.sample_index == 0 and not seq.output_token_ids else 1
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -143,12 +149,13 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, scheduled: list[ScheduledSeq], budget: int) -> int:
         bm = self.block_manager
+        # Seats taken include the siblings that running first samples will still fork.
+        seats = sum(_seats(s) for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             # A request with n samples forks n - 1 siblings after its prompt: reserve their seats.
-            fresh = seq.sample_index == 0 and not seq.output_token_ids
-            group = seq.params.n if fresh else 1
-            if len(self.running) + group > self.config.max_num_seqs and self.running:
+            group = _seats(seq)
+            if seats + group > self.config.max_num_seqs and self.running:
                 break
             cached = bm.find_cached_prefix(seq)
             uncomputed = seq.num_tokens - len(cached) * bm.block_size
@@ -164,6 +171,7 @@ class Scheduler:
             self.add_running(seq)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            seats += group
         return budget
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
