@@ -118,7 +118,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            if n < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
+            if self._wait_for_whole(seq.num_uncomputed_tokens, n):
                 break
             if n <= 0:
                 i += 1
@@ -160,7 +160,7 @@ class Scheduler:
             cached = bm.find_cached_prefix(seq)
             uncomputed = seq.num_tokens - len(cached) * bm.block_size
             n = min(uncomputed, budget)
-            if n < uncomputed and not self.config.enable_chunked_prefill:
+            if self._wait_for_whole(uncomputed, n):
                 break
             copies = bm.allocate_slots(seq, n, cached)
             if copies is None:
@@ -173,6 +173,16 @@ class Scheduler:
             budget -= n
             seats += group
         return budget
+
+    def _wait_for_whole(self, uncomputed: int, n: int) -> bool:
+        """Without chunked prefill a sequence waits until all its tokens fit one step, unless
+        they never can (a recomputation after preemption covers prompt and output): such a
+        sequence is chunked anyway, or it would wait forever."""
+        return (
+            n < uncomputed
+            and not self.config.enable_chunked_prefill
+            and uncomputed <= self.config.max_num_batched_tokens
+        )
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Free everything the sequence holds; it will be recomputed from its tokens."""
