@@ -32,15 +32,23 @@ def _with(args: list, i: int, value: object) -> list:
         (1, lambda a: a[1].half(), r"^k_cache: dtype torch.float16 not in \['torch.float32'\]"),
         (2, lambda a: a[2][:, :4], r"^v_cache: shape .* differs from k_cache"),
         (3, lambda a: a[3].float(), r"^block_tables: dtype torch.float32"),
-        (3, lambda a: a[3][:, :1], r"^block_tables: 1 blocks of 8 slots cover 8 slots, but the longest context is 20"),
         (4, lambda a: a[4][:1], r"^context_lens: has 1 entries but block_tables has 2 rows"),
-        (4, lambda a: torch.tensor([5, -1], dtype=torch.int32), r"^context_lens: has a negative entry"),
         (5, lambda a: 0.0, r"^scale: expected a positive float"),
     ],
 )
 def test_decode_rejects(triton_kernels, decode_args, index, make_bad, message):
     with pytest.raises(ValueError, match=message):
         triton_kernels.paged_decode_attention(*_with(decode_args, index, make_bad(decode_args)))
+
+
+def test_decode_value_checks_with_scores(triton_kernels, decode_args):
+    """Checks of the values (not the layout) of the metadata need a host sync; the launcher
+    makes one only when scores are requested (their shape needs max(context_lens))."""
+    fn = triton_kernels.paged_decode_attention
+    with pytest.raises(ValueError, match=r"^block_tables: 1 blocks of 8 slots cover 8 slots, but the longest context is 20"):
+        fn(*_with(decode_args, 3, decode_args[3][:, :1]), score_mode="softmax")
+    with pytest.raises(ValueError, match=r"^context_lens: has a negative entry"):
+        fn(*_with(decode_args, 4, torch.tensor([5, -1], dtype=torch.int32)), score_mode="softmax")
 
 
 def test_decode_rejects_score_arguments(triton_kernels, decode_args):

@@ -165,7 +165,7 @@ def _decode_kernel(
     sm_ptr, sl_ptr,  # score-softmax max / sum: [S, Hq] (direct) or [S, Hq, P] (split-K)
     logit_ptr,  # [S, Hq, max_ctx] float32 scratch for scores
     tau_ptr, u_ptr, seed,
-    scale, window, head_dim, max_ctx, num_heads,
+    scale, window, head_dim, max_ctx, num_heads, max_slots,
     stride_qs, stride_qh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     stride_bt, stride_os, stride_oh, stride_op,
@@ -178,7 +178,7 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
-    ctx = tl.load(ctx_ptr + seq).to(tl.int32)
+    ctx = tl.minimum(tl.load(ctx_ptr + seq).to(tl.int32), max_slots)  # never past the table
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0)
@@ -582,8 +582,12 @@ def paged_decode_attention(
     checks.require(block_tables.shape[0] == num_seqs, "block_tables",
                    f"has {block_tables.shape[0]} rows, expected num_seqs = {num_seqs}")
     mode = _SCORE_CODES[score_mode]
-    max_ctx = 0
-    if num_seqs:
+    # Without scores the grid needs only a bound on the context, so the hot decode path makes
+    # no host sync (the kernel clamps each context to what its table covers). Scores need the
+    # true max for their shape; that sync also buys the value checks.
+    covered = block_tables.shape[1] * block_size
+    max_ctx = covered
+    if num_seqs and mode:
         max_ctx, min_ctx = _host_ints(context_lens.max(), context_lens.min())
         checks.require(min_ctx >= 0, "context_lens", f"has a negative entry ({min_ctx})")
         checks.check_table_covers(block_tables, block_size, max_ctx)
@@ -624,7 +628,7 @@ def paged_decode_attention(
         query, k_cache, v_cache, block_tables, context_lens,
         dst, part_m, part_l, dst_sm, dst_sl, logits,
         tau_t, u, _draw_seed(seed) if mode == 2 and not has_u else 0,
-        float(scale), sliding_window or 0, head_dim, max_ctx, num_heads,
+        float(scale), sliding_window or 0, head_dim, max_ctx, num_heads, covered,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
