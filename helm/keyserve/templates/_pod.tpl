@@ -13,8 +13,8 @@ volumes, "batch" (true in the RayJob: the head mounts the batch data claim).
 - name: KEYSERVE_API_KEY
   valueFrom:
     secretKeyRef:
-      name: {{ . }}
-      key: {{ $root.Values.apiKey.secretKey }}
+      name: {{ . | quote }}
+      key: {{ $root.Values.apiKey.secretKey | quote }}
 {{- end }}
 {{- with $root.Values.containerEnv }}
 {{ toYaml . }}
@@ -30,21 +30,21 @@ volumes, "batch" (true in the RayJob: the head mounts the batch data claim).
 - name: keyserve-cache
   {{- with $root.Values.cache.existingClaim }}
   persistentVolumeClaim:
-    claimName: {{ . }}
+    claimName: {{ . | quote }}
   {{- else }}
   emptyDir:
-    sizeLimit: {{ $root.Values.cache.sizeLimit }}
+    sizeLimit: {{ $root.Values.cache.sizeLimit | quote }}
   {{- end }}
 {{- if $root.Values.sharedMemory.enabled }}
 - name: dshm
   emptyDir:
     medium: Memory
-    sizeLimit: {{ $root.Values.sharedMemory.sizeLimit }}
+    sizeLimit: {{ $root.Values.sharedMemory.sizeLimit | quote }}
 {{- end }}
 {{- if .batch }}
 - name: batch-data
   persistentVolumeClaim:
-    claimName: {{ $root.Values.batchJob.data.existingClaim }}
+    claimName: {{ $root.Values.batchJob.data.existingClaim | quote }}
 {{- end }}
 {{- with .group.volumes }}
 {{ toYaml . }}
@@ -55,14 +55,14 @@ volumes, "batch" (true in the RayJob: the head mounts the batch data claim).
 {{- define "keyserve.volumeMounts" -}}
 {{- $root := .root }}
 - name: keyserve-cache
-  mountPath: {{ $root.Values.cache.mountPath }}
+  mountPath: {{ $root.Values.cache.mountPath | quote }}
 {{- if $root.Values.sharedMemory.enabled }}
 - name: dshm
   mountPath: /dev/shm
 {{- end }}
 {{- if .batch }}
 - name: batch-data
-  mountPath: {{ $root.Values.batchJob.data.mountPath }}
+  mountPath: {{ $root.Values.batchJob.data.mountPath | quote }}
 {{- end }}
 {{- with .group.volumeMounts }}
 {{ toYaml . }}
@@ -77,7 +77,7 @@ imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- with $root.Values.serviceAccountName }}
-serviceAccountName: {{ . }}
+serviceAccountName: {{ . | quote }}
 {{- end }}
 {{- with $root.Values.podSecurityContext }}
 securityContext:

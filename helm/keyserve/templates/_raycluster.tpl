@@ -8,7 +8,7 @@ app.kubernetes.io/component=<workload>-head / <workload>-worker.
 {{/* rayStartParams as the CRD wants them: a map of strings. */}}
 {{- define "keyserve.rayStartParams" -}}
 {{- range $key, $value := . }}
-{{ $key }}: {{ $value | toString | quote }}
+{{ $key | quote }}: {{ $value | toString | quote }}
 {{- end }}
 {{- end }}
 
@@ -42,8 +42,8 @@ template:
     {{- include "keyserve.podSettings" (dict "root" $root "group" $head "nodeSelector" $head.nodeSelector "tolerations" $head.tolerations) | trim | nindent 4 }}
     containers:
       - name: ray-head
-        image: {{ include "keyserve.image" $root }}
-        imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+        image: {{ include "keyserve.image" $root | quote }}
+        imagePullPolicy: {{ $root.Values.image.pullPolicy | quote }}
         ports:
           - name: gcs-server
             containerPort: 6379
@@ -103,7 +103,7 @@ tolerations and node selector; CPU groups tell Ray they have no GPU.
 {{- $tolerations = concat $tolerations ($root.Values.gpu.tolerations | default list) }}
 {{- $nodeSelector = merge $nodeSelector (deepCopy ($root.Values.gpu.nodeSelector | default dict)) }}
 {{- end }}
-- groupName: {{ .name }}
+- groupName: {{ .name | quote }}
   replicas: {{ $replicas }}
   minReplicas: {{ $min }}
   maxReplicas: {{ $max }}
@@ -121,8 +121,8 @@ tolerations and node selector; CPU groups tell Ray they have no GPU.
       {{- include "keyserve.podSettings" (dict "root" $root "group" $g "nodeSelector" $nodeSelector "tolerations" $tolerations) | trim | nindent 6 }}
       containers:
         - name: ray-worker
-          image: {{ include "keyserve.image" $root }}
-          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          image: {{ include "keyserve.image" $root | quote }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy | quote }}
           ports:
             - name: metrics
               containerPort: 8080
@@ -151,7 +151,7 @@ rayVersion: {{ $v.rayVersion | quote }}
 enableInTreeAutoscaling: true
 autoscalerOptions:
   idleTimeoutSeconds: {{ int $v.autoscaler.idleTimeoutSeconds }}
-  upscalingMode: {{ $v.autoscaler.upscalingMode }}
+  upscalingMode: {{ $v.autoscaler.upscalingMode | quote }}
 {{- end }}
 headGroupSpec:
   {{- include "keyserve.headGroupSpec" . | trim | nindent 2 }}
