@@ -177,10 +177,21 @@ def build_parser() -> argparse.ArgumentParser:
     distill = sub.add_parser("distill-draft", help="distil a small draft model for speculative decoding")
     _add_distill_args(distill)
     distill.set_defaults(func=cmd_distill_draft)
+    # serve / batch own their flags (generated from ServeArgs): main() hands them the rest.
+    sub.add_parser("serve", add_help=False, help="OpenAI-compatible server on Ray Serve (--help for flags)")
+    sub.add_parser("batch", add_help=False, help="OpenAI batch-format JSONL through the engine (--help)")
     return parser
 
 
+_DELEGATED = {"serve": "keyserve.cluster.serve_cli", "batch": "keyserve.cluster.batch_job"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _DELEGATED:
+        import importlib
+
+        return importlib.import_module(_DELEGATED[argv[0]]).main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
