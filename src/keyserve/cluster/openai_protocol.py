@@ -1,0 +1,268 @@
+"""OpenAI-compatible request and response bodies (pydantic).
+
+Requests forbid unknown fields, so a misspelt keyserve extension (``kv_polcy``) is a 400 naming
+it rather than silently ignored. Ranges are checked once, by ``SamplingParams``; these models
+only check types, and ``to_sampling_params`` maps the fields across.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from keyserve.core.sampling_params import KVPolicyName, SamplingParams
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class StreamOptions(_Request):
+    include_usage: bool = Field(False, description="Send a last chunk with the usage (empty choices).")
+    continuous_usage_stats: bool = Field(False, description="Accepted for vLLM clients; ignored.")
+
+
+class _SamplingFields(_Request):
+    """Fields both endpoints share: OpenAI's, then keyserve's and vLLM's extensions."""
+
+    model: str | None = Field(None, description="The served model's name; None means that model.")
+    n: int = Field(1, description="Samples per prompt.")
+    temperature: float | None = Field(None, description="0 is greedy; default 1.")
+    top_p: float | None = Field(None, description="Nucleus sampling mass; default 1.")
+    seed: int | None = Field(None, description="Makes sampling reproducible.")
+    stop: str | list[str] | None = Field(None, description="Stop strings (not included in the text).")
+    stream: bool = Field(False, description="Server-sent events ending in `data: [DONE]`.")
+    stream_options: StreamOptions | None = Field(None, description="Streaming options.")
+    presence_penalty: float | None = Field(None, description="Only 0 is supported.")
+    frequency_penalty: float | None = Field(None, description="Only 0 is supported.")
+    logit_bias: dict[str, float] | None = Field(None, description="Only empty is supported.")
+    user: str | None = Field(None, description="End-user id (logged, not used).")
+    # keyserve / vLLM extensions
+    top_k: int | None = Field(None, description="Keep the k most likely tokens (0: off).")
+    min_p: float | None = Field(None, description="Drop tokens below min_p * p_max.")
+    ignore_eos: bool | None = Field(None, description="Keep generating past the EOS token.")
+    stop_token_ids: list[int] | None = Field(None, description="Extra stop token ids.")
+    kv_policy: KVPolicyName | None = Field(None, description="KV eviction policy (SPEC §2).")
+    kv_budget: float | None = Field(None, description="KV budget: prompt fraction (<=1) or tokens.")
+    recent_ratio: float | None = Field(None, description="Share of the KV budget kept recent.")
+    speculative: bool | None = Field(None, description="Use the draft model (needs one loaded).")
+    num_speculative_tokens: int | None = Field(None, description="Draft tokens per step (K).")
+
+    def _unsupported(self) -> list[tuple[str, str]]:
+        bad = []
+        if self.presence_penalty:
+            bad.append(("presence_penalty", "presence_penalty is not supported (only 0)"))
+        if self.frequency_penalty:
+            bad.append(("frequency_penalty", "frequency_penalty is not supported (only 0)"))
+        if self.logit_bias:
+            bad.append(("logit_bias", "logit_bias is not supported"))
+        return bad
+
+    def _params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
+        fields: dict[str, Any] = dict(
+            n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            seed=self.seed, stop=self.stop, top_k=self.top_k, min_p=self.min_p,
+            ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+            kv_policy=self.kv_policy, kv_budget=self.kv_budget, recent_ratio=self.recent_ratio,
+            speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
+            logprobs=logprobs,
+        )
+        return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="Text, token ids, or a list of either (one choice group per prompt)."
+    )
+    max_tokens: int | None = Field(16, description="Tokens to generate at most (default 16).")
+    logprobs: int | None = Field(
+        None, description="Return the chosen tokens' log-probabilities (alternatives: not supported)."
+    )
+    echo: bool = Field(False, description="Prepend the prompt to the text.")
+    suffix: str | None = Field(None, description="Not supported.")
+    best_of: int | None = Field(None, description="Only best_of == n is supported.")
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        bad = self._unsupported()
+        if self.suffix:
+            bad.append(("suffix", "suffix is not supported"))
+        if self.best_of is not None and self.best_of != self.n:
+            bad.append(("best_of", "best_of other than n is not supported"))
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad.append(("logprobs", "logprobs must be between 0 and 20"))
+        if self.echo and self.logprobs is not None:
+            bad.append(("echo", "echo with logprobs is not supported (no prompt log-probabilities)"))
+        return bad
+
+    def to_sampling_params(self, max_model_len: int) -> SamplingParams:
+        return self._params(self.max_tokens or max_model_len, self.logprobs is not None)
+
+
+class TextPart(_Request):
+    type: Literal["text"] = Field(description="Only text parts are supported.")
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(None, description="Text, or a list of text parts.")
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        """What the tokenizer's chat template expects (developer is the system role)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(p.text for p in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    max_tokens: int | None = Field(None, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(
+        None, description="Tokens to generate at most; default: the rest of the context."
+    )
+    logprobs: bool = Field(False, description="Return the chosen tokens' log-probabilities.")
+    top_logprobs: int | None = Field(None, description="Only 0 is supported.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported.")
+    tool_choice: Any = Field(None, description="Only 'none' is supported.")
+    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}.")
+    parallel_tool_calls: bool | None = Field(None, description="Ignored without tools.")
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        bad = self._unsupported()
+        if self.top_logprobs:
+            bad.append(("top_logprobs", "top_logprobs is not supported (only the chosen token's)"))
+        if self.tools:
+            bad.append(("tools", "tool calling is not supported"))
+        if self.tool_choice not in (None, "none"):
+            bad.append(("tool_choice", "tool calling is not supported"))
+        if self.response_format and self.response_format.get("type") != "text":
+            bad.append(("response_format", "only response_format {'type': 'text'} is supported"))
+        return bad
+
+    def to_sampling_params(self, max_model_len: int) -> SamplingParams:
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._params(limit if limit is not None else max_model_len, self.logprobs)
+
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+# ---------------------------------------------------------------- responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="Prompt tokens served from the prefix cache.")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "keyserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,344 @@
+"""OpenAI requests -> engine requests -> OpenAI responses, independent of the transport.
+
+The HTTP app and the batch job both call ``OpenAIServing.handle(kind, body)``: it returns a
+response dict, or (``stream: true``) an async iterator of server-sent-event strings that has
+already waited for the first token, so errors up to that point still become an HTTP status.
+Every failure leaves as an ``APIError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ValidationError
+
+from keyserve.cluster.errors import APIError, bad_request, to_api_error
+from keyserve.cluster.metrics import ServerMetrics
+from keyserve.cluster.openai_protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    Usage,
+)
+from keyserve.config import ServeConfig
+from keyserve.core.sampling_params import SamplingParams
+from keyserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from keyserve.engine.outputs import CompletionOutput, RequestOutput
+
+Kind = Literal["completions", "chat"]
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: BaseModel | dict) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def _finish(reason: str | None) -> Literal["stop", "length"] | None:
+    return reason if reason in ("stop", "length") else None  # type: ignore[return-value]
+
+
+@dataclass
+class _Tracker:
+    """What one choice has already sent; holds back a possible stop-string prefix."""
+
+    holdback: int
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    started: bool = False
+    done: bool = False
+
+    def advance(self, o: CompletionOutput) -> tuple[str, list[int], list[float] | None, str | None]:
+        end = len(o.text) if o.finish_reason else max(self.sent_chars, len(o.text) - self.holdback)
+        delta = o.text[self.sent_chars:end]
+        self.sent_chars = max(self.sent_chars, end)
+        tokens = o.token_ids[self.sent_tokens:]
+        lps = o.logprobs[self.sent_tokens:] if o.logprobs is not None else None
+        self.sent_tokens = len(o.token_ids)
+        finish = None
+        if o.finish_reason and not self.done:
+            self.done = True
+            finish = o.finish_reason
+        return delta, tokens, lps, finish
+
+
+class OpenAIServing:
+    """Serves OpenAI completions / chat requests with one ``AsyncLLMEngine``."""
+
+    def __init__(self, engine: AsyncLLMEngine, config: ServeConfig, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.model_name = config.model_name()
+        self.metrics = metrics
+
+    @classmethod
+    def from_config(cls, config: ServeConfig) -> "OpenAIServing":
+        """Start an engine (loading in its thread) with metrics wired to it."""
+        engine = AsyncLLMEngine(
+            config.engine_config(),
+            max_queued_requests=config.max_queued_requests,
+            request_timeout_s=config.request_timeout_s,
+        )
+        metrics = ServerMetrics(engine.stats, config.model_name())
+        engine.on_finished = metrics.observe_finished
+        return cls(engine, config, metrics)
+
+    def models(self) -> dict:
+        max_len = self.engine.max_model_len if self.engine.is_ready else None
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=max_len)]).model_dump()
+
+    # ------------------------------------------------------------------ entry
+    async def handle(self, kind: Kind, body: Any) -> dict | AsyncIterator[str]:
+        """One request body -> a response dict, or a primed SSE iterator if it streams."""
+        prompt_param = "messages" if kind == "chat" else "prompt"
+        rename: dict[str, str] = {}
+        try:
+            req = self._parse(kind, body)
+            if kind == "chat":
+                rename = {"max_tokens": req.max_tokens_param()}
+            if not self.engine.is_ready:
+                await self.engine.wait_ready(self.config.request_timeout_s)
+            params = req.to_sampling_params(self.engine.max_model_len)
+            rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+            streams = await self._start(kind, req, params, rid)
+            if req.stream:
+                return await _primed(self._guard(self._chunks(kind, req, params, rid, streams)))
+            return await self._collect(kind, req, rid, streams)
+        except BaseException as e:
+            if isinstance(e, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
+                raise
+            raise to_api_error(e, prompt_param, self.config.retry_after_s, rename) from e
+
+    def _parse(self, kind: Kind, body: Any) -> CompletionRequest | ChatCompletionRequest:
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        try:
+            req = model_cls.model_validate(body)
+        except ValidationError as e:
+            raise to_api_error(e) from None
+        for param, message in req.unsupported():
+            raise bad_request(message, param)
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
+                           f"`{self.model_name}`.", param="model", code="model_not_found")
+        if kind == "completions" and (req.prompt == [] or req.prompt == [[]]):
+            raise bad_request("prompt must not be empty", "prompt")
+        return req
+
+    async def _start(self, kind: Kind, req: Any, params: SamplingParams, rid: str) -> list[RequestStream]:
+        """Queue one engine request per prompt; undo them all if any fails."""
+        if kind == "chat":
+            jobs: list[dict[str, Any]] = [{"messages": [m.as_template_dict() for m in req.messages]}]
+        else:
+            prompts = req.prompt
+            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+                prompts = [prompts]
+            jobs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
+        streams: list[RequestStream] = []
+        try:
+            for i, job in enumerate(jobs):
+                streams.append(await self.engine.add_request(params=params, request_id=f"{rid}-{i}", **job))
+        except BaseException:
+            for s in streams:
+                await s.aclose()
+            raise
+        return streams
+
+    # --------------------------------------------------------- non-streaming
+    async def _collect(self, kind: Kind, req: Any, rid: str, streams: list[RequestStream]) -> dict:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for i, out in _merge(streams):
+            if out.finished:
+                finals[i] = out
+        done = [f for f in finals if f is not None]
+        usage = _usage(done)
+        n = req.n
+        if kind == "chat":
+            choices = [
+                ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text),
+                           logprobs=self._chat_logprobs(o.token_ids, o.logprobs) if req.logprobs else None,
+                           finish_reason=_finish(o.finish_reason))
+                for o in done[0].outputs
+            ]
+            return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage).model_dump()
+        completion_choices = []
+        for i, out in enumerate(done):
+            prefix = self._echo(req, out)
+            for o in out.outputs:
+                lp = self._completion_logprobs(o.token_ids, o.logprobs, len(prefix)) if o.logprobs is not None else None
+                completion_choices.append(CompletionChoice(
+                    index=i * n + o.index, text=prefix + o.text, logprobs=lp,
+                    finish_reason=_finish(o.finish_reason)))
+        return CompletionResponse(id=rid, model=self.model_name, choices=completion_choices, usage=usage).model_dump()
+
+    # ------------------------------------------------------------- streaming
+    async def _chunks(self, kind: Kind, req: Any, params: SamplingParams, rid: str,
+                      streams: list[RequestStream]) -> AsyncIterator[str]:
+        created = int(time.time())
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        trackers: dict[int, _Tracker] = {}
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        usage_field = {"usage": None} if req.include_usage else {}
+        async for i, out in _merge(streams):
+            if out.finished:
+                finals[i] = out
+            for o in out.outputs:
+                index = i * req.n + o.index
+                t = trackers.setdefault(index, _Tracker(holdback))
+                first = not t.started
+                t.started = True
+                delta, tokens, lps, finish = t.advance(o)
+                if kind == "chat":
+                    if first:
+                        yield sse(ChatCompletionChunk(
+                            id=rid, created=created, model=self.model_name, **usage_field,
+                            choices=[ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]))
+                    if not delta and not finish:
+                        continue
+                    logprobs = self._chat_logprobs(tokens, lps) if req.logprobs and tokens else None
+                    yield sse(ChatCompletionChunk(
+                        id=rid, created=created, model=self.model_name, **usage_field,
+                        choices=[ChatChunkChoice(index=index, delta=DeltaMessage(content=delta or None),
+                                                 logprobs=logprobs, finish_reason=_finish(finish))]))
+                else:
+                    prefix = self._echo(req, out) if first else ""
+                    if not (delta or finish or prefix):
+                        continue
+                    logprobs = (self._completion_logprobs(tokens, lps, len(prefix))
+                                if lps is not None and tokens else None)
+                    yield sse(CompletionResponse(
+                        id=rid, created=created, model=self.model_name, **usage_field,
+                        choices=[CompletionChoice(index=index, text=prefix + delta, logprobs=logprobs,
+                                                  finish_reason=_finish(finish))]))
+        if req.include_usage:
+            usage = _usage([f for f in finals if f is not None])
+            cls = ChatCompletionChunk if kind == "chat" else CompletionResponse
+            yield sse(cls(id=rid, created=created, model=self.model_name, choices=[], usage=usage))
+        yield DONE
+
+    async def _guard(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """Errors after the first chunk: an error event, then [DONE] (the status is sent);
+        before it they propagate, to become the response's status."""
+        sent = False
+        try:
+            async for chunk in chunks:
+                sent = True
+                yield chunk
+        except Exception as e:  # noqa: BLE001
+            if not sent:
+                raise
+            yield sse(to_api_error(e, retry_after_s=self.config.retry_after_s).body())
+            yield DONE
+        finally:
+            await chunks.aclose()
+
+    # ----------------------------------------------------------- formatting
+    def _echo(self, req: Any, out: RequestOutput) -> str:
+        if not getattr(req, "echo", False):
+            return ""
+        if out.prompt is not None:
+            return out.prompt
+        return self.engine.tokenizer.decode(out.prompt_token_ids)
+
+    def _token_strings(self, token_ids: list[int]) -> list[str]:
+        tok = self.engine.tokenizer
+        return [tok.decode([t]) for t in token_ids]
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[float] | None,
+                             offset: int) -> CompletionLogprobs:
+        strings = self._token_strings(token_ids)
+        offsets = []
+        for s in strings:
+            offsets.append(offset)
+            offset += len(s)
+        return CompletionLogprobs(tokens=strings, token_logprobs=list(logprobs or []), text_offset=offsets)
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[float] | None) -> ChatLogprobs:
+        entries = [
+            ChatTokenLogprob(token=s, logprob=lp, bytes=list(s.encode()))
+            for s, lp in zip(self._token_strings(token_ids), logprobs or [])
+        ]
+        return ChatLogprobs(content=entries)
+
+
+def _usage(outputs: list[RequestOutput]) -> Usage:
+    prompt = sum(o.stats.prompt_tokens for o in outputs)
+    completion = sum(o.stats.generated_tokens for o in outputs)
+    cached = sum(o.stats.prefix_cache_hit_tokens for o in outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' snapshots as (prompt index, snapshot)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 — re-raised by the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+async def _primed(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Wait for the first chunk now (errors still raise), then stream it and the rest."""
+    try:
+        first = await chunks.__anext__()
+    except BaseException:
+        await chunks.aclose()
+        raise
+
+    async def rest() -> AsyncIterator[str]:
+        try:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    return rest()

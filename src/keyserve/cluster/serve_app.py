@@ -1,0 +1,99 @@
+"""Ray Serve wiring: ``build_app(args)`` is the ``import_path`` of a Serve / KubeRay app.
+
+    # serve run examples/serve_config.yaml     (or serveConfigV2 in a RayService)
+    applications:
+      - name: keyserve
+        route_prefix: /
+        import_path: keyserve.cluster.serve_app:build_app
+        args: {model: SmolLM2-135M-Instruct, max_num_seqs: 32}
+
+As in Ray Serve LLM, the deployment class is plain Python; ``build_app`` validates ``args``
+with ``ServeArgs`` (so a bad value fails at ``serve run``, naming the field), wraps the class
+with ``serve.ingress`` (the FastAPI app is built on the replica, after the engine) and binds it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import Field
+
+from keyserve.config import ServeConfig
+
+log = logging.getLogger(__name__)
+
+
+class ServeArgs(ServeConfig):
+    """``ServeConfig`` plus how Ray Serve places the server (the ``args`` of ``build_app``)."""
+
+    num_replicas: int = Field(1, ge=1, description="Replicas, each with its own engine.")
+    num_cpus: float = Field(1.0, gt=0.0, description="CPUs each replica reserves (and its torch threads).")
+    num_gpus: float = Field(0.0, ge=0.0, description="GPUs each replica reserves.")
+    max_ongoing_requests: int | None = Field(
+        None, ge=1,
+        description="Requests Serve routes to one replica at once; default: enough that the "
+        "engine's own queue (503 + Retry-After) is the limit clients meet.",
+    )
+    deployment_name: str = Field("KeyserveDeployment", description="Serve deployment name.")
+
+    def serve_config(self) -> ServeConfig:
+        return ServeConfig.model_validate(self.model_dump(include=set(ServeConfig.model_fields)))
+
+
+class KeyserveDeployment:
+    """One replica: an AsyncLLMEngine (the model loads before the replica reports ready) and
+    the OpenAI FastAPI app over it. Undecorated: ``build_app`` makes it a deployment."""
+
+    async def __init__(self, args: dict[str, Any]) -> None:
+        from keyserve.cluster.openai_serving import OpenAIServing
+
+        config = ServeArgs.model_validate(args).serve_config()
+        self.serving = OpenAIServing.from_config(config)
+        await self.serving.engine.wait_ready()
+        log.info("keyserve replica ready: %s", self.serving.model_name)
+
+    def __serve_build_asgi_app__(self):
+        from keyserve.cluster.http_app import create_app
+
+        return create_app(self.serving)
+
+    async def check_health(self) -> None:
+        """Serve restarts a replica whose engine thread died."""
+        engine = self.serving.engine
+        if not engine.is_alive:
+            raise RuntimeError(f"keyserve engine is dead: {engine.dead_reason}")
+
+    def __del__(self) -> None:
+        serving = getattr(self, "serving", None)
+        if serving is not None:
+            serving.engine.shutdown(timeout=5.0)
+
+
+def deployment_options(args: ServeArgs) -> dict[str, Any]:
+    ongoing = args.max_ongoing_requests
+    if ongoing is None:
+        running = args.max_num_seqs or 64
+        ongoing = running + args.max_queued_requests + 16  # headroom for /health, /metrics
+    actor: dict[str, Any] = {"num_cpus": args.num_cpus}
+    if args.num_gpus:
+        actor["num_gpus"] = args.num_gpus
+    return {
+        "name": args.deployment_name,
+        "num_replicas": args.num_replicas,
+        "ray_actor_options": actor,
+        "max_ongoing_requests": ongoing,
+        "health_check_period_s": 10,
+        "health_check_timeout_s": 60,
+        "graceful_shutdown_timeout_s": 30,
+    }
+
+
+def build_app(args: dict[str, Any] | None = None):
+    """The Serve application for ``args`` (validated by ``ServeArgs``; raises on bad values)."""
+    from ray import serve
+
+    parsed = ServeArgs.model_validate(args or {})
+    cls = serve.ingress()(KeyserveDeployment)
+    deployment = serve.deployment(cls, **deployment_options(parsed))
+    return deployment.bind(parsed.model_dump(exclude_defaults=True))
