@@ -67,18 +67,19 @@ class _Tracker:
     started: bool = False
     done: bool = False
 
-    def advance(self, o: CompletionOutput) -> tuple[str, list[int], list[float] | None, str | None]:
+    def advance(self, o: CompletionOutput) -> tuple[str, int, list[float] | None, str | None]:
+        """(new text, index of the first new token, their logprobs, finish reason if new)."""
         end = len(o.text) if o.finish_reason else max(self.sent_chars, len(o.text) - self.holdback)
         delta = o.text[self.sent_chars:end]
         self.sent_chars = max(self.sent_chars, end)
-        tokens = o.token_ids[self.sent_tokens:]
-        lps = o.logprobs[self.sent_tokens:] if o.logprobs is not None else None
+        start = self.sent_tokens
+        lps = o.logprobs[start:] if o.logprobs is not None else None
         self.sent_tokens = len(o.token_ids)
         finish = None
         if o.finish_reason and not self.done:
             self.done = True
             finish = o.finish_reason
-        return delta, tokens, lps, finish
+        return delta, start, lps, finish
 
 
 class OpenAIServing:
@@ -176,7 +177,7 @@ class OpenAIServing:
         if kind == "chat":
             choices = [
                 ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text),
-                           logprobs=self._chat_logprobs(o.token_ids, o.logprobs) if req.logprobs else None,
+                           logprobs=self._chat_logprobs(o.token_ids, 0, o.logprobs) if req.logprobs else None,
                            finish_reason=_finish(o.finish_reason))
                 for o in done[0].outputs
             ]
@@ -185,7 +186,8 @@ class OpenAIServing:
         for i, out in enumerate(done):
             prefix = self._echo(req, out)
             for o in out.outputs:
-                lp = self._completion_logprobs(o.token_ids, o.logprobs, len(prefix)) if o.logprobs is not None else None
+                lp = (self._completion_logprobs(o.token_ids, 0, o.logprobs, len(prefix))
+                      if o.logprobs is not None else None)
                 completion_choices.append(CompletionChoice(
                     index=i * n + o.index, text=prefix + o.text, logprobs=lp,
                     finish_reason=_finish(o.finish_reason)))
@@ -207,7 +209,8 @@ class OpenAIServing:
                 t = trackers.setdefault(index, _Tracker(holdback))
                 first = not t.started
                 t.started = True
-                delta, tokens, lps, finish = t.advance(o)
+                delta, start, lps, finish = t.advance(o)
+                new_tokens = len(o.token_ids) > start
                 if kind == "chat":
                     if first:
                         yield sse(ChatCompletionChunk(
@@ -215,7 +218,7 @@ class OpenAIServing:
                             choices=[ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]))
                     if not delta and not finish:
                         continue
-                    logprobs = self._chat_logprobs(tokens, lps) if req.logprobs and tokens else None
+                    logprobs = self._chat_logprobs(o.token_ids, start, lps) if req.logprobs and new_tokens else None
                     yield sse(ChatCompletionChunk(
                         id=rid, created=created, model=self.model_name, **usage_field,
                         choices=[ChatChunkChoice(index=index, delta=DeltaMessage(content=delta or None),
@@ -224,8 +227,8 @@ class OpenAIServing:
                     prefix = self._echo(req, out) if first else ""
                     if not (delta or finish or prefix):
                         continue
-                    logprobs = (self._completion_logprobs(tokens, lps, len(prefix))
-                                if lps is not None and tokens else None)
+                    logprobs = (self._completion_logprobs(o.token_ids, start, lps, t.sent_chars - len(delta) + len(prefix))
+                                if lps is not None and new_tokens else None)
                     yield sse(CompletionResponse(
                         id=rid, created=created, model=self.model_name, **usage_field,
                         choices=[CompletionChoice(index=index, text=prefix + delta, logprobs=logprobs,
@@ -260,23 +263,30 @@ class OpenAIServing:
             return out.prompt
         return self.engine.tokenizer.decode(out.prompt_token_ids)
 
-    def _token_strings(self, token_ids: list[int]) -> list[str]:
+    def _token_strings(self, token_ids: list[int], start: int) -> list[str]:
+        """The text each token adds, decoded with a few tokens of context (so word-initial
+        spaces survive, as in the generated text)."""
         tok = self.engine.tokenizer
-        return [tok.decode([t]) for t in token_ids]
+        pieces = []
+        for i in range(start, len(token_ids)):
+            ctx = token_ids[max(0, i - 4):i]
+            before = tok.decode(ctx) if ctx else ""
+            pieces.append(tok.decode(ctx + [token_ids[i]])[len(before):])
+        return pieces
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[float] | None,
+    def _completion_logprobs(self, token_ids: list[int], start: int, logprobs: list[float] | None,
                              offset: int) -> CompletionLogprobs:
-        strings = self._token_strings(token_ids)
+        strings = self._token_strings(token_ids, start)
         offsets = []
         for s in strings:
             offsets.append(offset)
             offset += len(s)
         return CompletionLogprobs(tokens=strings, token_logprobs=list(logprobs or []), text_offset=offsets)
 
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[float] | None) -> ChatLogprobs:
+    def _chat_logprobs(self, token_ids: list[int], start: int, logprobs: list[float] | None) -> ChatLogprobs:
         entries = [
             ChatTokenLogprob(token=s, logprob=lp, bytes=list(s.encode()))
-            for s, lp in zip(self._token_strings(token_ids), logprobs or [])
+            for s, lp in zip(self._token_strings(token_ids, start), logprobs or [])
         ]
         return ChatLogprobs(content=entries)
 
