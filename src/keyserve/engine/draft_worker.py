@@ -19,6 +19,7 @@ from keyserve.core.sampler import SamplingTensors, exponential_noise, make_gener
 from keyserve.core.scheduler import ScheduledSeq, StepPlan
 from keyserve.core.sequence import Sequence
 from keyserve.engine.model_runner import ModelRunner
+from keyserve.engine.step_input import logits_step_input
 
 
 @dataclass
@@ -100,8 +101,7 @@ class DraftWorker:
                 prefill=[it for _, it in items if it.num_new_tokens > 1],
             )
             order = {id(it): i for i, it in items}
-            rows = {it.seq.seq_id: 1 for _, it in items}
-            result = self.runner.execute(plan, [], {}, logits_rows=rows)
+            result = self.runner.execute(logits_step_input(plan, rows=1))
             batch = [order[id(it)] for it in plan.scheduled]
             logits = torch.cat([result.logits[mirrors[i].seq_id] for i in batch])  # [n, vocab]
             st = SamplingTensors.from_params([targets[i].params for i in batch], logits.device)

@@ -1,6 +1,11 @@
-"""The in-process engine: requests in, one scheduler step at a time, outputs out.
+"""The engine: requests in, one scheduler step at a time, outputs out.
 
-Usable as a library (``LLM`` wraps it) and, later, wrapped piece by piece by the Ray actors.
+A step is schedule (``KVCore``) -> propose (draft worker) -> execute (model runner: forward,
+sample, verify) -> accept (stop checks, here) -> commit (``KVCore``) -> emit. In this process
+the three sides are local objects; ``keyserve.actors.engine.RayEngine`` runs this same class
+with the KV-block manager, the draft and the tensor-parallel target group as Ray actors behind
+the same three interfaces. This class owns what only the front needs: requests, detokenizers,
+stop conditions and outputs -- and every request's tokens, from which anything lost is recomputed.
 """
 
 from __future__ import annotations
@@ -14,14 +19,15 @@ import torch
 
 from keyserve.config import EngineConfig
 from keyserve.core.block_manager import BlockManager
-from keyserve.core.sampler import make_generator
 from keyserve.core.sampling_params import SamplingParams
-from keyserve.core.scheduler import Scheduler, SchedulerConfig, StepPlan
+from keyserve.core.scheduler import SchedulerConfig
 from keyserve.core.sequence import FinishReason, Sequence, SequenceStatus
 from keyserve.engine.detokenizer import IncrementalDetokenizer
-from keyserve.engine.kv_budget import BudgetDefaults, budget_spec, compact_kv
-from keyserve.engine.model_runner import ModelRunner, SampleRequest, num_blocks_for_memory
+from keyserve.engine.kv_budget import BudgetDefaults, budget_spec
+from keyserve.engine.kv_core import KVCore, SeqStat, SeqUpdate
+from keyserve.engine.model_runner import ModelRunner, num_blocks_for_memory
 from keyserve.engine.outputs import CompletionOutput, RequestOutput, RequestStats
+from keyserve.engine.step_input import StepInput, StepOutput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,7 +46,6 @@ class _Request:
     seqs: list[Sequence]  # sample 0 first; siblings join once sample 0's prompt is computed
     pending_forks: list[Sequence] = field(default_factory=list)
     detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
-    generators: dict[int, torch.Generator | None] = field(default_factory=dict)
     first_token_time: float | None = None
     finish_time: float | None = None
     max_blocks: int = 0
@@ -84,9 +89,7 @@ class LLMEngine:
             kv_cache_bytes_per_block(arch, block_size, dtype),
         )
         kv_caches = allocate_kv_cache(arch, num_blocks, block_size, dtype, self.device)
-        self.budget_defaults = BudgetDefaults(
-            config.cache.default_kv_policy, config.cache.default_kv_budget
-        )
+        budget_defaults = BudgetDefaults(config.cache.default_kv_policy, config.cache.default_kv_budget)
         self.runner = ModelRunner(
             self.loaded.model,
             kv_caches,
@@ -95,20 +98,38 @@ class LLMEngine:
             self.device,
             num_layers=arch.num_hidden_layers,
             num_kv_heads=kv_caches[0][0].shape[2],
-            budget_defaults=self.budget_defaults,
+            budget_defaults=budget_defaults,
         )
-        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        s = config.scheduler
-        self.scheduler = Scheduler(
-            SchedulerConfig(s.max_num_batched_tokens, s.max_num_seqs, s.enable_chunked_prefill),
-            self.block_manager,
+        spec = self._build_speculative(config, arch, dtype, num_blocks, block_size)
+        core = KVCore(
+            num_blocks, block_size, config.cache.enable_prefix_caching, scheduler_config(config),
+            budget_defaults, self.max_model_len, spec,
         )
-        self.spec = self._build_speculative(config, arch, dtype, num_blocks, block_size)
-        self.eos_token_ids = self._eos_ids()
+        self._init_front(config, arch, self.tokenizer, self.max_model_len, core, spec)
+        self.block_manager = core.block_manager
+        self.scheduler = core.scheduler
+
+    def _init_front(self, config: EngineConfig, arch: Any, tokenizer: Any, max_model_len: int,
+                    core: Any, spec: Any) -> None:
+        """State of the front (requests, stop checks) over a core, runner and drafter that may
+        be local objects or Ray actor clients with the same methods."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = arch.vocab_size
+        self.budget_defaults = BudgetDefaults(config.cache.default_kv_policy, config.cache.default_kv_budget)
+        self.core = core
+        self.spec = spec
+        self.drafter = spec.drafter if spec is not None else None
+        self.eos_token_ids = self._eos_ids(arch)
         self.requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, _Request] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._blocks: dict[int, int] = {}  # seq_id -> KV blocks it holds (from the core)
+        self._kv_stats: dict[int, tuple[int, int]] = {}  # budgeted seq_id -> (held, evicted)
         self._ids = itertools.count()
         self.num_steps = 0
+        self.last_step_empty = False
 
     def _build_speculative(self, config: EngineConfig, arch, dtype, num_blocks: int, block_size: int):
         """Load the draft with its own KV pool (as many token slots as the target's)."""
@@ -133,11 +154,9 @@ class LLMEngine:
         cost = config.spec.draft_cost_ratio or min(1.0, _weight_bytes(draft.model) / _weight_bytes(self.loaded.model))
         return SpeculativeDecoder(drafter, config.spec, cost)
 
-    def _eos_ids(self) -> set[int]:
+    def _eos_ids(self, arch: Any) -> set[int]:
         ids: set[int] = set()
-        eos = getattr(self.loaded.config, "eos_token_ids", None) or getattr(
-            self.loaded.config, "eos_token_id", None
-        )
+        eos = getattr(arch, "eos_token_ids", None) or getattr(arch, "eos_token_id", None)
         if isinstance(eos, int):
             ids.add(eos)
         elif eos:
@@ -188,7 +207,7 @@ class LLMEngine:
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt, chat)
         if not token_ids:
             raise ValueError("prompt is empty (no tokens)")
-        vocab = self.loaded.config.vocab_size
+        vocab = self.vocab_size
         if any(t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
@@ -217,10 +236,10 @@ class LLMEngine:
         for seq in seqs:
             seq.kv_budgeted = budget_spec(seq, self.budget_defaults) is not None
             req.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
-            req.generators[seq.seq_id] = make_generator(params.seed, seq.sample_index)
             self._seq_owner[seq.seq_id] = req
+            self._seqs[seq.seq_id] = seq
         self.requests[request_id] = req
-        self.scheduler.add(seqs[0])
+        self.core.add([seqs[0]], seqs[1:], req.forced_token_ids)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -231,6 +250,9 @@ class LLMEngine:
         for seq in req.all_seqs:
             if not seq.is_finished:
                 self._finish(seq, FinishReason.ABORT)
+                result = self.core.finish(seq.seq_id, FinishReason.ABORT)
+                self._apply_seq_stats(result.seq_stats)
+                self._apply_ops(result.ops)
         req.pending_forks = []
         return self._pop_finished(req)
 
@@ -241,77 +263,68 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return a snapshot of every request that made progress."""
-        spec = self.spec
-        if spec is not None:
-            for seq in self.scheduler.running:
-                seq.num_lookahead = (
-                    spec.lookahead(seq, self.max_model_len) if seq.num_uncomputed_tokens == 1 else 0
-                )
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
+        drafter = self.drafter
+        speculate = drafter is not None and getattr(drafter, "available", True)
+        scheduled = self.core.schedule(speculate)
+        self._apply_seq_stats(scheduled.seq_stats)
+        step = scheduled.step
+        self.last_step_empty = step is None
+        if step is None:
             return []
-        verify = [it for it in plan.prefill if it.num_lookahead]
-        proposal = spec.propose(verify) if verify else None
-        if proposal is not None:  # those the draft could not serve decode plainly
-            keep = [i for i, it in enumerate(verify) if it.draft_token_ids]
-            verify = [verify[i] for i in keep]
-            proposal = _select_rows(proposal, keep)
-        forced = [
-            it for it in plan.scheduled
-            if it.completes and self._seq_owner[it.seq.seq_id].forced_token_ids is not None
-        ]
-        skip = {id(it) for it in verify} | {id(it) for it in forced}
-        samples, generators = self._sample_requests(plan, exclude=skip)
-        for item in verify:
-            generators[item.seq.seq_id] = self._seq_owner[item.seq.seq_id].generators[item.seq.seq_id]
-        rows = {it.seq.seq_id: it.num_query_tokens for it in verify}
-        rows.update({it.seq.seq_id: 1 for it in forced})
-        result = self.runner.execute(plan, samples, generators, logits_rows=rows)
+        draft_probs = self._propose(step) if speculate else None
+        out = self.runner.execute(step, draft_probs)
         self.num_steps += 1
+        return self._accept(step, out)
+
+    def _propose(self, step: StepInput) -> torch.Tensor | None:
+        """Draft tokens for every item with reserved lookahead, in one batched call; items the
+        draft could not serve decode plainly."""
+        verify = [it for it in step.items if it.num_lookahead]
+        if not verify:
+            return None
+        proposal = self.drafter.propose(
+            [self._seqs[it.seq_id] for it in verify], [it.num_lookahead for it in verify]
+        )
+        for row, item in enumerate(verify):
+            n = int(proposal.num_draft[row])
+            item.draft_token_ids = proposal.token_ids[row, :n].tolist()
+            item.draft_row = row
+        return proposal.probs
+
+    def _accept(self, step: StepInput, out: StepOutput) -> list[RequestOutput]:
+        """Stop checks over the emitted tokens, then commit to the core and snapshot."""
         now = time.monotonic()
+        self._kv_stats.update(out.kv_stats)
         touched: dict[str, _Request] = {}
-        for item in plan.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit_computed(item.seq)
-            touched[item.seq.request_id] = self._seq_owner[item.seq.seq_id]
-        if verify:
-            assert spec is not None and proposal is not None
-            for item, ver in zip(verify, spec.verify(verify, proposal, result.logits, generators)):
-                seq = item.seq
-                seq.num_computed_tokens += ver.num_accepted  # the accepted drafts' KV is valid
-                self.block_manager.truncate(seq, seq.num_computed_tokens)  # drop rejected slots
-                req = self._seq_owner[seq.seq_id]
-                for j, token in enumerate(ver.token_ids):
-                    lp = ver.logprobs[j] if ver.logprobs else None
-                    self._append_token(req, seq, token, lp, now)
-                    if seq.is_finished:  # a stop condition inside the accepted run
-                        break
-                else:
-                    self.block_manager.commit_computed(seq)
-        for item in forced:
-            seq = item.seq
-            req = self._seq_owner[seq.seq_id]
-            token = req.forced_token_ids[len(seq.output_token_ids)]
-            logprob = torch.log_softmax(result.logits[seq.seq_id][-1].float(), dim=-1)[token]
-            self._append_token(req, seq, token, float(logprob), now)
-        self._compact_prompts([it.seq for it in forced])
-        for req_sample in samples:
-            source = req_sample.source.seq
-            req = self._seq_owner[source.seq_id]
-            # Siblings fork from the computed prompt before any token can finish (and free) it.
-            for target in req_sample.targets[1:]:
-                self.block_manager.fork(source, target)
-                self.runner.budget.fork(source, target)
-                req.pending_forks.remove(target)
-                req.seqs.append(target)
-                self.scheduler.add_running(target)
-            for target in req_sample.targets:
-                token = result.tokens[target.seq_id]
-                self._append_token(req, target, token, result.logprobs.get(target.seq_id), now)
-        self._compact_prompts([t for r in samples for t in r.targets])
+        for item in step.items:
+            touched[self._seq_owner[item.seq_id].request_id] = self._seq_owner[item.seq_id]
+        updates: dict[int, SeqUpdate] = {}
+        for item in step.items:
+            if not (item.verifies or item.forced_token_id is not None or item.sample_seq_ids):
+                continue  # a prompt chunk that does not complete the prompt
+            req = self._seq_owner[item.seq_id]
+            if item.verifies:
+                accepted = out.num_accepted[item.seq_id]
+                if self.spec is not None:
+                    self.spec.record(req.request_id, len(item.draft_token_ids), accepted)
+                updates[item.seq_id] = self._emit(req, self._seqs[item.seq_id], out, now)
+                updates[item.seq_id].num_accepted = accepted
+                updates[item.seq_id].num_draft = len(item.draft_token_ids)
+            elif item.forced_token_id is not None:
+                updates[item.seq_id] = self._emit(req, self._seqs[item.seq_id], out, now)
+            else:
+                for target_id in item.sample_seq_ids[1:]:  # siblings join once forked
+                    target = self._seqs[target_id]
+                    req.pending_forks.remove(target)
+                    req.seqs.append(target)
+                for target_id in item.sample_seq_ids:
+                    updates[target_id] = self._emit(req, self._seqs[target_id], out, now)
+        result = self.core.commit(updates)
+        self._apply_seq_stats(result.seq_stats)
+        self._apply_ops(result.ops)
         outputs = []
         for req in touched.values():
-            held = sum(len(s.block_table) for s in req.seqs)
+            held = sum(self._blocks.get(s.seq_id, 0) for s in req.seqs)
             req.max_blocks = max(req.max_blocks, held)
             if req.finished:
                 outputs.append(self._pop_finished(req))
@@ -319,21 +332,28 @@ class LLMEngine:
                 outputs.append(self._snapshot(req))
         return outputs
 
-    def _sample_requests(self, plan: StepPlan, exclude: set[int] = frozenset()) -> tuple[list[SampleRequest], dict]:
-        samples = []
-        generators: dict[int, torch.Generator | None] = {}
-        for item in plan.scheduled:
-            if not item.completes or id(item) in exclude:
-                continue
-            seq = item.seq
-            req = self._seq_owner[seq.seq_id]
-            targets = [seq]
-            if seq.sample_index == 0 and req.pending_forks and not seq.output_token_ids:
-                targets += req.pending_forks
-            for t in targets:
-                generators[t.seq_id] = req.generators[t.seq_id]
-            samples.append(SampleRequest(item, targets))
-        return samples, generators
+    def _emit(self, req: _Request, seq: Sequence, out: StepOutput, now: float) -> SeqUpdate:
+        """Append a sequence's emitted tokens up to the first stop condition."""
+        base = len(seq.output_token_ids)
+        logprobs = out.logprobs.get(seq.seq_id)
+        for j, token in enumerate(out.tokens[seq.seq_id]):
+            self._append_token(req, seq, token, logprobs[j] if logprobs else None, now)
+            if seq.is_finished:  # a stop condition inside an accepted run
+                break
+        return SeqUpdate(seq.seq_id, base, seq.output_token_ids[base:], finish=seq.finish_reason)
+
+    def _apply_ops(self, ops: list) -> None:
+        if ops:
+            self._kv_stats.update(self.runner.apply_ops(ops))
+
+    def _apply_seq_stats(self, stats: dict[int, SeqStat]) -> None:
+        for seq_id, st in stats.items():
+            self._blocks[seq_id] = st.num_blocks
+            seq = self._seqs.get(seq_id)
+            if seq is not None:
+                seq.num_preemptions = st.num_preemptions
+                seq.num_cached_tokens = st.num_cached_tokens
+                seq.num_computed_tokens = st.num_computed_tokens
 
     def _append_token(self, req: _Request, seq: Sequence, token: int, logprob: float | None, now: float) -> None:
         seq.append_token(token, logprob)
@@ -352,41 +372,16 @@ class LLMEngine:
         if reason is not None:
             self._finish(seq, reason)
 
-    def _compact_prompts(self, seqs: list[Sequence]) -> None:
-        """Prompt-phase eviction for budgeted sequences whose prompt is now computed: keep k
-        tokens per (layer, head), move them into the first blocks, free the rest."""
-        budget = self.runner.budget
-        bm = self.block_manager
-        for seq in seqs:
-            state = budget.get(seq)
-            if seq.is_finished or state is None or not budget.due_for_compaction(seq):
-                continue
-            k = state.spec.budget
-            assert k is not None
-            if state.num_slots > k:
-                copies = bm.make_writable(seq, list(range(bm.blocks_for_slots(k))))
-                if copies is None:
-                    continue  # the pool cannot copy shared blocks now; retry next step
-                self.runner.copy_blocks(copies)
-                keep = budget.select_prompt(seq)
-                if keep is not None:
-                    compact_kv(self.runner.kv_caches, seq.block_table, keep, bm.block_size)
-                bm.truncate(seq, k)
-            else:
-                budget.select_prompt(seq)
-            seq.kv_slot_cap = k
-
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        state = self.runner.budget.get(seq)
-        if state is not None:
-            seq.kv_tokens_held, seq.kv_tokens_evicted = state.num_slots, state.num_evicted
-        self.runner.budget.release(seq)
-        if self.spec is not None:
-            self.spec.release(seq)
+        """The front's half of finishing; the core frees blocks when it hears of it."""
+        stats = self._kv_stats.pop(seq.seq_id, None)
+        if stats is not None:
+            seq.kv_tokens_held, seq.kv_tokens_evicted = stats
+        if self.drafter is not None:
+            self.drafter.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()
-        self.scheduler.remove(seq)
 
     # ---------------------------------------------------------------- outputs
     def _snapshot(self, req: _Request) -> RequestOutput:
@@ -439,20 +434,22 @@ class LLMEngine:
         }
 
     def _kv_held(self, seq: Sequence) -> int:
-        state = self.runner.budget.get(seq)
-        if state is not None:
-            return state.num_slots
+        stats = self._kv_stats.get(seq.seq_id)
+        if stats is not None:
+            return stats[0]
         return seq.kv_tokens_held if seq.kv_budgeted else seq.num_computed_tokens
 
     def _kv_evicted(self, seq: Sequence) -> int:
-        state = self.runner.budget.get(seq)
-        return state.num_evicted if state is not None else seq.kv_tokens_evicted
+        stats = self._kv_stats.get(seq.seq_id)
+        return stats[1] if stats is not None else seq.kv_tokens_evicted
 
     def _pop_finished(self, req: _Request) -> RequestOutput:
         req.finish_time = max((s.finish_time or 0.0) for s in req.seqs) or time.monotonic()
         self.requests.pop(req.request_id, None)
         for seq in req.all_seqs:
             self._seq_owner.pop(seq.seq_id, None)
+            self._seqs.pop(seq.seq_id, None)
+            self._blocks.pop(seq.seq_id, None)
         out = self._snapshot(req)
         if self.spec is not None:
             self.spec.pop_request_stats(req.request_id)
@@ -465,7 +462,7 @@ class LLMEngine:
             for out in self.step():
                 if out.finished:
                     finished[out.request_id] = out
-            if not self.scheduler.has_work and self.requests:
+            if self.last_step_empty and self.requests:
                 raise RuntimeError("engine has requests but nothing schedulable")
         return finished
 
@@ -474,8 +471,6 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _select_rows(proposal, rows: list[int]):
-    from keyserve.engine.draft_worker import Proposal
-
-    index = torch.tensor(rows, dtype=torch.int64)
-    return Proposal(proposal.token_ids[index], proposal.probs[index], proposal.num_draft[index])
+def scheduler_config(config: EngineConfig) -> SchedulerConfig:
+    s = config.scheduler
+    return SchedulerConfig(s.max_num_batched_tokens, s.max_num_seqs, s.enable_chunked_prefill)

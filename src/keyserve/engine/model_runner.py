@@ -1,40 +1,43 @@
-"""Executes a StepPlan on the model: pack tokens, copy blocks, forward, sample.
+"""Executes a StepInput on the model: apply ops, copy blocks, pack tokens, forward, sample.
 
-This is the only place that turns scheduler decisions into tensors. It knows nothing about
-requests, stop conditions or text: it returns sampled tokens per sequence.
+This is the only place that turns scheduler decisions into tensors. It consumes one
+``StepInput`` per step -- the same message whether the runner sits in the engine's process or
+is one tensor-parallel shard in a Ray actor -- and knows nothing about requests, stop
+conditions or text. Per-sequence state that must persist across steps lives here: sampling
+parameters and generators (sampling happens here, on the driver rank), and KV-budget states
+(rank-local: each rank holds whole kv-heads, SPEC §2).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from keyserve.core.block_manager import BlockCopy
-from keyserve.core.sampler import SamplingTensors, sample
-from keyserve.core.scheduler import ScheduledSeq, StepPlan
-from keyserve.core.sequence import Sequence
-from keyserve.engine.kv_budget import BudgetDefaults, KVBudgetTracker, budget_spec, physical_slots
+from keyserve.core.kv_policy import KVPolicy, keyformer_tau
+from keyserve.core.sampler import SamplingTensors, make_generator, sample
+from keyserve.core.scheduler import StepPlan
+from keyserve.engine.kv_budget import BudgetDefaults, KVBudgetTracker, compact_kv, physical_slots
+from keyserve.engine.step_input import (
+    CompactOp,
+    ForkOp,
+    ReleaseOp,
+    RetainOp,
+    RunnerOp,
+    SeqInfo,
+    StepInput,
+    StepItem,
+    StepOutput,
+    logits_step_input,
+)
 from keyserve.kernels.metadata import AttentionMetadata
 
-
-@dataclass
-class SampleRequest:
-    """Rows to sample from one sequence's last logits: the sequence itself and, for a request
-    with n > 1 finishing its prompt, the siblings that fork from it."""
-
-    source: ScheduledSeq
-    targets: list[Sequence]
-
-
-@dataclass
-class StepResult:
-    tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled token
-    logprobs: dict[int, float] = field(default_factory=dict)  # seq_id -> its logprob
-    # seq_id -> [rows, vocab] float32 logits of the last rows of a verified item
-    logits: dict[int, torch.Tensor] = field(default_factory=dict)
+# hidden rows [n, hidden] -> float32 logits [n, vocab] (None on a shard that is not the driver)
+LogitsFn = Callable[[torch.Tensor], torch.Tensor | None]
 
 
 @dataclass
@@ -43,6 +46,13 @@ class ModelInputs:
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
     last_token_index: dict[int, int]  # seq_id -> row of its last query token
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """The budget tracker keys its states by ``.seq_id`` only."""
+
+    seq_id: int
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -65,6 +75,8 @@ class ModelRunner:
         num_layers: int,
         num_kv_heads: int,
         budget_defaults: BudgetDefaults | None = None,
+        logits_fn: LogitsFn | None = None,
+        is_driver: bool = True,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -73,11 +85,64 @@ class ModelRunner:
         self.device = device
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
-        self.budget_defaults = budget_defaults or BudgetDefaults()
+        self.budget_defaults = budget_defaults or BudgetDefaults()  # kept for callers; items carry specs
         self.budget = KVBudgetTracker(num_layers, num_kv_heads, block_size, device)
+        self.logits_fn: LogitsFn = logits_fn or model.compute_logits
+        self.is_driver = is_driver  # tensor-parallel rank 0: the one that samples
+        self.seq_infos: dict[int, SeqInfo] = {}
+        self.generators: dict[int, torch.Generator | None] = {}
+
+    # -------------------------------------------------------------- state ops
+    def apply_ops(self, ops: list[RunnerOp]) -> dict[int, tuple[int, int]]:
+        """Apply the scheduler side's per-sequence decisions; returns budget stats of the
+        sequences they changed."""
+        changed: dict[int, tuple[int, int]] = {}
+        for op in ops:
+            if isinstance(op, ForkOp):
+                self.budget.fork(_Ref(op.parent_id), _Ref(op.child_id))
+            elif isinstance(op, CompactOp):
+                self._compact(op)
+                state = self.budget.states.get(op.seq_id)
+                if state is not None:
+                    changed[op.seq_id] = (state.num_slots, state.num_evicted)
+            elif isinstance(op, ReleaseOp):
+                self.release(op.seq_id)
+            elif isinstance(op, RetainOp):
+                keep = set(op.seq_ids)
+                for seq_id in set(self.seq_infos) | set(self.budget.states) | set(self.generators):
+                    if seq_id not in keep:
+                        self.release(seq_id)
+        return changed
+
+    def release(self, seq_id: int) -> None:
+        self.budget.release(_Ref(seq_id))
+        self.seq_infos.pop(seq_id, None)
+        self.generators.pop(seq_id, None)
+
+    def _compact(self, op: CompactOp) -> None:
+        """Keep k tokens per (layer, head), moved into the first blocks (the engine frees the rest)."""
+        ref = _Ref(op.seq_id)
+        state = self.budget.get(ref)
+        if state is None or not self.budget.due_for_compaction(ref):
+            return
+        self.copy_blocks(op.copies)
+        if state.num_slots > op.budget:
+            keep = self.budget.select_prompt(ref)
+            if keep is not None:
+                compact_kv(self.kv_caches, op.block_table, keep, self.block_size)
+        else:
+            self.budget.select_prompt(ref)
+
+    def _tau(self, item: StepItem, decoding: bool) -> float:
+        """Keyformer's temperature: 1 in the prompt phase, then the linear schedule."""
+        state = self.budget.states[item.seq_id]
+        if not decoding or state.spec.policy is not KVPolicy.KEYFORMER:
+            return 1.0
+        p = self.seq_infos[item.seq_id].params
+        return keyformer_tau(max(0, item.num_output_tokens - 1), p.max_tokens, p.tau_init, p.tau_end)
 
     # ----------------------------------------------------------------- inputs
-    def prepare(self, plan: StepPlan) -> ModelInputs:
+    def prepare(self, step: StepInput) -> ModelInputs:
         """Pack the step's tokens; budgeted sequences get their slots from the KV policy."""
         block = self.block_size
         budget = self.budget
@@ -87,63 +152,63 @@ class ModelRunner:
         slots: list[torch.Tensor] = []  # physical slot per token (same in every layer/head)
         last_index: dict[int, int] = {}
         context_lens: list[int] = []  # per sequence: slots attended after this step's writes
-        per_head: list[tuple[int, Sequence]] = []  # (token row, seq) whose slot differs per head
+        per_head: list[tuple[int, StepItem]] = []  # (token row, item) whose slot differs per head
         modes: list[str | None] = []
         taus: list[float] = []
-        for item in plan.scheduled:
-            seq, start, n = item.seq, item.start, item.num_query_tokens
+        for item in step.items:
+            start, n = item.start, item.num_query_tokens
             row = len(ids)
-            ids.extend(seq.token_ids[start : start + item.num_new_tokens])
+            ids.extend(item.token_ids)
             ids.extend(item.draft_token_ids)
-            if item.draft_token_ids and seq.kv_budgeted:
+            budgeted = item.budget is not None
+            if item.draft_token_ids and budgeted:
                 raise RuntimeError("speculative verification under a KV budget is not supported")
             pos = torch.arange(start, start + n, dtype=torch.int64)
             positions.append(pos)
-            last_index[seq.seq_id] = row + n - 1
-            state = budget.get(seq) if seq.kv_budgeted else None
-            if seq.kv_budgeted and (state is None or start == 0):
-                state = budget.start(seq, budget_spec(seq, self.budget_defaults))
-            table = torch.tensor(seq.block_table, dtype=torch.int64)
+            last_index[item.seq_id] = row + n - 1
+            state = budget.get(item) if budgeted else None
+            if budgeted and (state is None or start == 0):
+                state = budget.start(item, item.budget)  # type: ignore[arg-type]
+            table = torch.tensor(item.block_table, dtype=torch.int64)
             if state is None:
                 logical = pos
                 context_lens.append(start + n)
-            elif budget.due_for_compaction(seq):  # prompt phase: fresh slots, no eviction
+            elif budget.due_for_compaction(item):  # prompt phase: fresh slots, no eviction
                 logical = state.append(n)
                 context_lens.append(state.num_slots)
             else:
                 if n != 1:
                     raise RuntimeError("a compacted sequence can only decode one token per step")
                 logical = torch.zeros(1, dtype=torch.int64)  # replaced per head below
-                per_head.append((row, seq))
+                per_head.append((row, item))
                 context_lens.append(-1)  # filled once the victims are known
             slots.append(physical_slots(logical.cpu(), table, block))
-            modes.append(budget.score_mode(seq) if state is not None else None)
-            taus.append(budget.tau(seq, decoding=not budget.due_for_compaction(seq)) if state is not None else 1.0)
+            modes.append(budget.score_mode(item) if state is not None else None)
+            taus.append(self._tau(item, decoding=not budget.due_for_compaction(item)) if state is not None else 1.0)
         slot_mapping = torch.cat(slots)
         if per_head:
-            seqs = [s for _, s in per_head]
-            victims = budget.decode_slots(seqs)  # [n, L, H] logical
+            items = [it for _, it in per_head]
+            victims = budget.decode_slots(items)  # [n, L, H] logical
             full = slot_mapping[None, :, None].expand(self.num_layers, -1, self.num_kv_heads).clone()
-            index = {s.seq_id: i for i, s in enumerate(seqs)}
-            for row, seq in per_head:
-                table = torch.tensor(seq.block_table, dtype=torch.int64)
-                full[:, row, :] = physical_slots(victims[index[seq.seq_id]].cpu(), table, block)
+            for i, (row, item) in enumerate(per_head):
+                table = torch.tensor(item.block_table, dtype=torch.int64)
+                full[:, row, :] = physical_slots(victims[i].cpu(), table, block)
             slot_mapping = full
-            sched = plan.scheduled
-            for i, item in enumerate(sched):
+            for i, item in enumerate(step.items):
                 if context_lens[i] == -1:
-                    context_lens[i] = budget.get(item.seq).num_slots
-        n_dec = len(plan.decode)
+                    context_lens[i] = budget.states[item.seq_id].num_slots
+        n_dec = step.num_decode
+        decode, prefill = step.decode, step.prefill
         wanted = {m for m in modes if m is not None}
         score = None if not wanted else (wanted.pop() if len(wanted) == 1 else "mixed")
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
             num_decode_seqs=n_dec,
-            decode_block_tables=_pad_tables([s.seq.block_table for s in plan.decode], dev),
+            decode_block_tables=_pad_tables([it.block_table for it in decode], dev),
             decode_context_lens=torch.tensor(context_lens[:n_dec], dtype=torch.int32, device=dev),
-            prefill_block_tables=_pad_tables([s.seq.block_table for s in plan.prefill], dev),
+            prefill_block_tables=_pad_tables([it.block_table for it in prefill], dev),
             prefill_query_start_loc=torch.tensor(
-                [0] + list(itertools.accumulate(s.num_query_tokens for s in plan.prefill)),
+                [0] + list(itertools.accumulate(it.num_query_tokens for it in prefill)),
                 dtype=torch.int32,
                 device=dev,
             ),
@@ -153,9 +218,9 @@ class ModelRunner:
             tau=torch.tensor(taus, dtype=torch.float32, device=dev) if score else None,
             gumbel_rows=torch.tensor([m == "gumbel" for m in modes], device=dev) if score == "mixed" else None,
         )
-        if not plan.prefill:
+        if not prefill:
             meta.prefill_block_tables = meta.prefill_block_tables[:0]
-        if not plan.decode:
+        if not decode:
             meta.decode_block_tables = meta.decode_block_tables[:0]
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
@@ -164,19 +229,19 @@ class ModelRunner:
             last_token_index=last_index,
         )
 
-    def accumulate_scores(self, plan: StepPlan, meta: AttentionMetadata) -> None:
+    def accumulate_scores(self, step: StepInput, meta: AttentionMetadata) -> None:
         """Add this step's attention mass to every budgeted sequence's scores."""
         if meta.score_mode is None:
             return
         layers = range(self.num_layers)
-        n_dec = len(plan.decode)
+        n_dec = step.num_decode
         dec = torch.stack([meta.scores[l][0] for l in layers], dim=1) if n_dec else None
-        pre = torch.stack([meta.scores[l][1] for l in layers], dim=1) if plan.prefill else None
-        for i, item in enumerate(plan.scheduled):
-            if self.budget.get(item.seq) is None:
+        pre = torch.stack([meta.scores[l][1] for l in layers], dim=1) if step.prefill else None
+        for i, item in enumerate(step.items):
+            if self.budget.get(item) is None:
                 continue
             scores = dec[i] if i < n_dec else pre[i - n_dec]  # type: ignore[index]
-            self.budget.accumulate(item.seq, scores)
+            self.budget.accumulate(item, scores)
 
     # ---------------------------------------------------------------- execute
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
@@ -189,58 +254,121 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
     @torch.inference_mode()
-    def forward_logits(self, inputs: ModelInputs, rows: list[int]) -> torch.Tensor:
-        """Run the model and return float32 logits of the given token rows: [len(rows), vocab]."""
+    def forward_logits(self, inputs: ModelInputs, rows: list[int]) -> torch.Tensor | None:
+        """Run the model; float32 logits of the given token rows, [len(rows), vocab] (None on a
+        shard that is not the driver: the vocab-parallel LM head gathers onto rank 0)."""
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, index)).float()
+        return self.logits_fn(hidden.index_select(0, index))
 
     @torch.inference_mode()
     def execute(
         self,
-        plan: StepPlan,
-        samples: list[SampleRequest],
-        generators: dict[int, torch.Generator | None],
-        logits_rows: dict[int, int] | None = None,  # seq_id -> how many last rows to return
-    ) -> StepResult:
-        """One forward: sample for ``samples`` and return raw logits for ``logits_rows``."""
-        self.copy_blocks(plan.blocks_to_copy)
-        if plan.is_empty:
-            return StepResult()
-        inputs = self.prepare(plan)
-        rows: list[int] = []
-        targets: list[Sequence] = []
-        for req in samples:
-            for target in req.targets:
-                rows.append(inputs.last_token_index[req.source.seq.seq_id])
-                targets.append(target)
-        raw: list[tuple[int, int, int]] = []  # (seq_id, first row in `rows`, count)
-        for seq_id, count in (logits_rows or {}).items():
-            last = inputs.last_token_index[seq_id]
-            raw.append((seq_id, len(rows), count))
-            rows.extend(range(last - count + 1, last + 1))
-        result = StepResult()
-        if not rows:
+        step: StepInput | StepPlan,
+        draft_probs: torch.Tensor | None = None,  # [num_drafted, max_draft, vocab] draft p
+        generators: object = None,  # legacy (StepPlan) call only; ignored
+        logits_rows: dict[int, int] | None = None,  # legacy: seq_id -> last rows to return
+    ) -> StepOutput:
+        """One forward for the whole batch: sample, verify drafts, return logits as asked.
+        (A bare StepPlan, the older form, only runs the forward and returns logits.)"""
+        if isinstance(step, StepPlan):
+            step = logits_step_input(step, rows=0)
+            for item in step.items:
+                item.return_logits = (logits_rows or {}).get(item.seq_id, 0)
+            draft_probs = None
+        if draft_probs is not None:
+            draft_probs = draft_probs.to(self.device)
+        self.apply_ops(step.ops)
+        for seq_id, info in step.seq_infos.items():
+            self.seq_infos[seq_id] = info
+            if seq_id not in self.generators:  # a generator's stream survives a rescheduling
+                self.generators[seq_id] = make_generator(info.params.seed, info.sample_index)
+        self.copy_blocks(step.block_copies)
+        out = StepOutput()
+        if step.is_empty:
+            return out
+        inputs = self.prepare(step)
+        last = inputs.last_token_index
+        verify = [it for it in step.items if it.verifies]
+        forced = [it for it in step.items if it.forced_token_id is not None]
+        sampled = [it for it in step.items if it.sample_seq_ids and not it.verifies and it.forced_token_id is None]
+        targets = [t for it in sampled for t in it.sample_seq_ids]
+        rows = [last[it.seq_id] for it in sampled for _ in it.sample_seq_ids]
+        raw: list[tuple[StepItem, int, int]] = []  # (item, first row in `rows`, count)
+        for item, count in itertools.chain(
+            ((it, it.num_query_tokens) for it in verify),
+            ((it, 1) for it in forced),
+            ((it, it.return_logits) for it in step.items if it.return_logits),
+        ):
+            raw.append((item, len(rows), count))
+            end = last[item.seq_id]
+            rows.extend(range(end - count + 1, end + 1))
+        if rows:
+            all_logits = self.forward_logits(inputs, rows)
+        else:
             self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            self.accumulate_scores(plan, inputs.meta)
-            return result
-        all_logits = self.forward_logits(inputs, rows)
-        self.accumulate_scores(plan, inputs.meta)
-        for seq_id, first, count in raw:
-            result.logits[seq_id] = all_logits[first : first + count]
-        if not targets:
-            return result
-        logits = all_logits[: len(targets)]
-        st = SamplingTensors.from_params([t.params for t in targets], device=logits.device)
-        want_logprobs = any(t.params.logprobs for t in targets)
-        tokens, logprobs = sample(logits, st, [generators.get(t.seq_id) for t in targets], want_logprobs)
+            all_logits = None
+        self.accumulate_scores(step, inputs.meta)
+        if not self.is_driver:
+            return out
+        for item in step.items:
+            state = self.budget.states.get(item.seq_id)
+            if state is not None:
+                out.kv_stats[item.seq_id] = (state.num_slots, state.num_evicted)
+        if all_logits is None:
+            return out
+        raw_logits = {item.seq_id: all_logits[first : first + n] for item, first, n in raw}
+        for item in step.items:
+            if item.return_logits:
+                out.logits[item.seq_id] = raw_logits[item.seq_id]
+        for item in forced:
+            token = item.forced_token_id
+            lp = torch.log_softmax(raw_logits[item.seq_id][-1].float(), dim=-1)[token]
+            out.tokens[item.seq_id] = [token]  # type: ignore[list-item]
+            out.logprobs[item.seq_id] = [float(lp)]
+        if targets:  # before verification: both may draw from the global RNG, in this order
+            self._sample(targets, all_logits[: len(targets)], out)
+        if verify:
+            self._verify(verify, raw_logits, draft_probs, out)
+        return out
+
+    def _sample(self, targets: list[int], logits: torch.Tensor, out: StepOutput) -> None:
+        """One token per target row (``logits`` [len(targets), vocab])."""
+        params = [self.seq_infos[t].params for t in targets]
+        st = SamplingTensors.from_params(params, device=logits.device)
+        want_logprobs = any(p.logprobs for p in params)
+        gens = [self.generators.get(t) for t in targets]
+        tokens, logprobs = sample(logits, st, gens, want_logprobs)
         token_list = tokens.tolist()
         lp_list = logprobs.tolist() if logprobs is not None else None
         for i, target in enumerate(targets):
-            result.tokens[target.seq_id] = token_list[i]
-            if lp_list is not None and target.params.logprobs:
-                result.logprobs[target.seq_id] = lp_list[i]
-        return result
+            out.tokens[target] = [token_list[i]]
+            if lp_list is not None and params[i].logprobs:
+                out.logprobs[target] = [lp_list[i]]
+
+    def _verify(
+        self,
+        items: list[StepItem],
+        raw_logits: dict[int, torch.Tensor],  # seq_id -> [1 + num_draft, vocab]
+        draft_probs: torch.Tensor | None,  # [num_drafted, max_draft, vocab]
+        out: StepOutput,
+    ) -> None:
+        from keyserve.engine.speculative import verify_drafts
+
+        if draft_probs is None:
+            raise RuntimeError("a step with draft tokens needs the draft probabilities")
+        results = verify_drafts(
+            [raw_logits[it.seq_id] for it in items],
+            draft_probs[torch.tensor([it.draft_row for it in items], dtype=torch.int64)],
+            [it.draft_token_ids for it in items],
+            [self.seq_infos[it.seq_id].params for it in items],
+            [self.generators.get(it.seq_id) for it in items],
+        )
+        for item, (tokens, logprobs, accepted) in zip(items, results):
+            out.tokens[item.seq_id] = tokens
+            if logprobs is not None:
+                out.logprobs[item.seq_id] = logprobs
+            out.num_accepted[item.seq_id] = accepted
 
 
 def num_blocks_for_memory(memory_gb: float, bytes_per_block: int) -> int:

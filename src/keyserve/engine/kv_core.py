@@ -1,0 +1,295 @@
+"""The scheduler side of the engine: sequences, block tables, scheduling, and what follows a step.
+
+``KVCore`` is the single owner of KV allocation for the target model: the block manager (block
+tables, ref counts, copy-on-write), the prefix-cache index, continuous batching and the
+block-level half of KV budgets (compaction frees blocks here; which tokens to keep is decided
+on the model side, per rank). Per step it is asked once for a ``StepInput`` (``schedule``) and
+told once what the step produced (``commit``); in between it holds the step in flight. The
+in-process engine calls it directly; the KV-block manager actor wraps it unchanged.
+
+It never sees text: stop conditions are checked by the engine, which sends back the tokens it
+kept and whether the sequence finished (``SeqUpdate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from keyserve.core.block_manager import BlockManager
+from keyserve.core.scheduler import Scheduler, SchedulerConfig, StepPlan
+from keyserve.core.sequence import FinishReason, Sequence, SequenceStatus
+from keyserve.engine.kv_budget import BudgetDefaults, budget_spec
+from keyserve.engine.step_input import (
+    CompactOp,
+    ForkOp,
+    ReleaseOp,
+    RetainOp,
+    RunnerOp,
+    SeqInfo,
+    StepInput,
+    step_item,
+)
+
+
+class SeqStat(NamedTuple):
+    """Scheduler-side facts the engine reports in request statistics."""
+
+    num_blocks: int
+    num_preemptions: int
+    num_cached_tokens: int
+    num_computed_tokens: int
+
+
+@dataclass
+class SeqUpdate:
+    """What one step did to one sequence, after the engine's stop checks."""
+
+    seq_id: int
+    base: int  # output tokens the sequence had before this step
+    token_ids: list[int]  # appended this step
+    num_accepted: int | None = None  # verified sequences: drafts accepted (their KV stays)
+    num_draft: int = 0
+    finish: FinishReason | None = None
+
+
+@dataclass
+class ScheduleResult:
+    step: StepInput | None  # None: nothing to run
+    seq_stats: dict[int, SeqStat] = field(default_factory=dict)
+
+
+@dataclass
+class CommitResult:
+    ops: list[RunnerOp] = field(default_factory=list)  # for the model side, in order
+    seq_stats: dict[int, SeqStat] = field(default_factory=dict)
+
+
+@dataclass
+class _InFlight:
+    plan: StepPlan
+    targets: dict[int, list[Sequence]]  # seq_id -> sequences sampled from its last row
+    forced: set[int]  # seq_ids whose token is teacher-forced
+
+
+class KVCore:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        scheduler_config: SchedulerConfig,
+        budget_defaults: BudgetDefaults,
+        max_model_len: int,
+        spec: object | None = None,  # a SpeculativeDecoder: lookahead and adaptive K
+    ) -> None:
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.budget_defaults = budget_defaults
+        self.max_model_len = max_model_len
+        self.spec = spec
+        self.seqs: dict[int, Sequence] = {}
+        self.pending: dict[int, list[Sequence]] = {}  # parent seq_id -> siblings not yet forked
+        self.forced: dict[int, list[int]] = {}  # seq_id -> teacher-forced output tokens
+        self.known: set[int] = set()  # sequences whose SeqInfo the model side holds
+        self.inflight: _InFlight | None = None
+        self.num_steps = 0
+
+    # -------------------------------------------------------------- requests
+    def add(
+        self, seqs: list[Sequence], pending: list[Sequence] | None = None, forced: list[int] | None = None
+    ) -> None:
+        """Queue a request's sequences; ``pending`` siblings fork from ``seqs[0]`` once its
+        prompt is computed. Also how a rebuilt core gets unfinished work back."""
+        for seq in seqs + list(pending or []):
+            seq.kv_budgeted = budget_spec(seq, self.budget_defaults) is not None
+            self.seqs[seq.seq_id] = seq
+        if pending:
+            self.pending[seqs[0].seq_id] = list(pending)
+        if forced is not None:
+            self.forced[seqs[0].seq_id] = list(forced)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def finish(self, seq_id: int, reason: FinishReason) -> CommitResult:
+        """End a sequence outside a step (abort); frees its blocks."""
+        result = CommitResult()
+        seq = self.seqs.get(seq_id)
+        if seq is not None:
+            self._finish(seq, reason, result.ops)
+            result.seq_stats[seq_id] = self._stat(seq)
+        return result
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self, speculate: bool = True) -> ScheduleResult:
+        """The next step's input (or None) and the stats of sequences it preempted."""
+        spec = self.spec if speculate else None
+        for seq in self.scheduler.running:
+            seq.num_lookahead = (
+                spec.lookahead(seq, self.max_model_len)  # type: ignore[attr-defined]
+                if spec is not None and seq.num_uncomputed_tokens == 1
+                else 0
+            )
+        plan = self.scheduler.schedule()
+        stats = {s.seq_id: self._stat(s) for s in plan.preempted}
+        if plan.is_empty:
+            return ScheduleResult(None, stats)
+        flight = _InFlight(plan, {}, set())
+        items = []
+        infos: dict[int, SeqInfo] = {}
+        for scheduled in plan.scheduled:
+            seq = scheduled.seq
+            fields: dict[str, object] = {}
+            if seq.kv_budgeted:
+                fields["budget"] = budget_spec(seq, self.budget_defaults)
+            forced = self.forced.get(seq.seq_id)
+            if scheduled.completes and forced is not None:
+                fields["forced_token_id"] = forced[len(seq.output_token_ids)]
+                flight.forced.add(seq.seq_id)
+            elif scheduled.completes:
+                targets = [seq]
+                if seq.sample_index == 0 and not seq.output_token_ids:
+                    targets += self.pending.get(seq.seq_id, [])
+                flight.targets[seq.seq_id] = targets
+                fields["sample_seq_ids"] = [t.seq_id for t in targets]
+            items.append(step_item(scheduled, **fields))
+            for s in [seq] + flight.targets.get(seq.seq_id, []):
+                if s.seq_id not in self.known:
+                    infos[s.seq_id] = SeqInfo(s.params, s.sample_index)
+                    self.known.add(s.seq_id)
+        self.inflight = flight
+        step = StepInput(items, len(plan.decode), list(plan.blocks_to_copy), infos, step=self.num_steps)
+        self.num_steps += 1
+        return ScheduleResult(step, stats)
+
+    # ---------------------------------------------------------------- commit
+    def commit(self, updates: dict[int, SeqUpdate]) -> CommitResult:
+        """Apply the step in flight: computed tokens, rollback of rejected drafts, forks of
+        siblings, appended tokens, finished sequences, prompt compaction under KV budgets."""
+        flight, self.inflight = self.inflight, None
+        result = CommitResult()
+        if flight is None:
+            return result
+        bm = self.block_manager
+        ops = result.ops
+        plan = flight.plan
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            bm.commit_computed(item.seq)
+        live = [it for it in plan.scheduled if it.seq.seq_id in updates and it.seq.seq_id in self.seqs]
+        for item in live:
+            up = updates[item.seq.seq_id]
+            if up.num_accepted is None:
+                continue
+            seq = item.seq
+            seq.num_computed_tokens += up.num_accepted  # the accepted drafts' KV is valid
+            bm.truncate(seq, seq.num_computed_tokens)  # drop rejected slots
+            if self.spec is not None and up.num_draft:
+                self.spec.adapt(seq.seq_id, up.num_draft, up.num_accepted)  # type: ignore[attr-defined]
+            if not self._apply(seq, up, ops):
+                bm.commit_computed(seq)
+        forced = [it.seq for it in live if it.seq.seq_id in flight.forced]
+        for seq in forced:
+            self._apply(seq, updates[seq.seq_id], ops)
+        self._compact_prompts(forced, ops)
+        sampled: list[Sequence] = []
+        for item in live:
+            source = item.seq
+            targets = flight.targets.get(source.seq_id)
+            if targets is None or updates[source.seq_id].num_accepted is not None:
+                continue
+            # Siblings fork from the computed prompt before any token can finish (and free) it.
+            for target in targets[1:]:
+                bm.fork(source, target)
+                ops.append(ForkOp(source.seq_id, target.seq_id))
+                self.pending[source.seq_id].remove(target)
+                self.scheduler.add_running(target)
+            self.pending.pop(source.seq_id, None)
+            for target in targets:
+                if target.seq_id in updates:
+                    self._apply(target, updates[target.seq_id], ops)
+            sampled += targets
+        self._compact_prompts(sampled, ops)
+        for seq in [it.seq for it in plan.scheduled] + sampled:
+            result.seq_stats[seq.seq_id] = self._stat(seq)
+        return result
+
+    def _apply(self, seq: Sequence, up: SeqUpdate, ops: list[RunnerOp]) -> bool:
+        """Append the update's tokens (already there when the engine shares the object);
+        finish the sequence if the update says so. True if it finished."""
+        have = len(seq.output_token_ids)
+        if have == up.base:
+            seq.output_token_ids.extend(up.token_ids)
+        elif have != up.base + len(up.token_ids):
+            raise RuntimeError(f"sequence {seq.seq_id}: {have} output tokens, update expects {up.base}")
+        if up.finish is not None:
+            self._finish(seq, up.finish, ops)
+            return True
+        return False
+
+    def _compact_prompts(self, seqs: list[Sequence], ops: list[RunnerOp]) -> None:
+        """Prompt-phase eviction for budgeted sequences whose prompt is now computed: k tokens
+        per (layer, head) stay in the first blocks (moved by the model side), the rest are freed."""
+        bm = self.block_manager
+        for seq in seqs:
+            if seq.is_finished or not seq.kv_budgeted or seq.kv_slot_cap is not None:
+                continue
+            spec = budget_spec(seq, self.budget_defaults)
+            assert spec is not None and spec.budget is not None
+            k = spec.budget
+            if seq.num_computed_tokens > k:  # == the slots its budget state holds
+                copies = bm.make_writable(seq, list(range(bm.blocks_for_slots(k))))
+                if copies is None:
+                    continue  # the pool cannot copy shared blocks now; retry next step
+                ops.append(CompactOp(seq.seq_id, list(seq.block_table), k, copies))
+                bm.truncate(seq, k)
+            else:
+                ops.append(CompactOp(seq.seq_id, list(seq.block_table), k))
+            seq.kv_slot_cap = k
+
+    def _finish(self, seq: Sequence, reason: FinishReason, ops: list[RunnerOp]) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or reason
+        self.scheduler.remove(seq)
+        ops.append(ReleaseOp(seq.seq_id))
+        if self.spec is not None:
+            self.spec.forget(seq.seq_id)  # type: ignore[attr-defined]
+        self.seqs.pop(seq.seq_id, None)
+        self.forced.pop(seq.seq_id, None)
+        self.known.discard(seq.seq_id)
+        for siblings in self.pending.values():
+            if seq in siblings:
+                siblings.remove(seq)
+        self.pending.pop(seq.seq_id, None)
+
+    def _stat(self, seq: Sequence) -> SeqStat:
+        return SeqStat(len(seq.block_table), seq.num_preemptions, seq.num_cached_tokens, seq.num_computed_tokens)
+
+    # -------------------------------------------------------------- recovery
+    def reset_model_side(self) -> list[RunnerOp]:
+        """The model side lost its KV (a shard was replaced): drop the step in flight,
+        recompute every running sequence from its tokens, forget cached prefixes."""
+        self.inflight = None
+        for seq in list(self.scheduler.running):
+            self.scheduler._preempt(seq, StepPlan())  # frees its blocks; recomputed later
+        self.block_manager.reset_prefix_cache()
+        self.known.clear()
+        return [RetainOp(sorted(self.seqs))]
+
+    def check_consistent(self) -> None:
+        """Block accounting: every held reference belongs to a live sequence."""
+        bm = self.block_manager
+        refs: dict[int, int] = {}
+        for seq in self.seqs.values():
+            for block_id in seq.block_table:
+                refs[block_id] = refs.get(block_id, 0) + 1
+        for block in bm.pool.blocks:
+            if block.ref_cnt != refs.get(block.block_id, 0):
+                raise AssertionError(f"block {block.block_id}: ref {block.ref_cnt} != {refs.get(block.block_id, 0)}")
+        held = len(refs)
+        if bm.num_free_blocks != bm.num_blocks - held:
+            raise AssertionError(f"{bm.num_free_blocks} free blocks, expected {bm.num_blocks - held}")

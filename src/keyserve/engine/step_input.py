@@ -1,0 +1,150 @@
+"""The one message per step between the scheduler side and the model side, and its answer.
+
+``StepInput`` carries everything a model shard needs and nothing it can look up itself: per
+scheduled sequence only this step's new tokens, its start position, block table and draft
+tokens. Sampling parameters travel once per sequence (``seq_infos``, the first time a sequence
+reaches the executor); per-sequence generators and KV-budget states live on the executor, so
+they persist across steps. The in-process ``ModelRunner`` and every Ray shard consume exactly
+this message, so the distributed path adds no logic of its own. All fields are plain Python
+(picklable, small); tensors only appear in ``StepOutput.logits``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from keyserve.core.block_manager import BlockCopy
+from keyserve.core.kv_policy import BudgetSpec
+from keyserve.core.sampling_params import SamplingParams
+from keyserve.core.scheduler import ScheduledSeq, StepPlan
+
+
+@dataclass
+class SeqInfo:
+    """What the executor keeps per sequence: how to sample it (and seed its generator)."""
+
+    params: SamplingParams
+    sample_index: int = 0
+
+
+@dataclass
+class StepItem:
+    """One scheduled sequence. Query rows are its new tokens, then its draft tokens."""
+
+    seq_id: int
+    token_ids: list[int]  # this step's new (real) tokens, positions start .. start + n - 1
+    start: int
+    block_table: list[int]
+    num_lookahead: int = 0  # slots reserved for draft tokens (the engine asks the drafter)
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_row: int = -1  # row of this item in the step's draft probabilities
+    sample_seq_ids: list[int] = field(default_factory=list)  # sample the last row into each
+    forced_token_id: int | None = None  # teacher forcing: report its log-prob, sample nothing
+    return_logits: int = 0  # return raw logits of this many last rows (the draft's own use)
+    budget: BudgetSpec | None = None  # set for a sequence under a KV budget
+    num_output_tokens: int = 0  # tokens generated so far (Keyformer's temperature schedule)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_query_tokens(self) -> int:
+        return len(self.token_ids) + len(self.draft_token_ids)
+
+    @property
+    def verifies(self) -> bool:
+        return bool(self.draft_token_ids)
+
+
+@dataclass
+class ForkOp:
+    """A sibling now shares its parent's blocks: copy the parent's budget state."""
+
+    parent_id: int
+    child_id: int
+
+
+@dataclass
+class CompactOp:
+    """Prompt-phase eviction of a budgeted sequence: copy its shared blocks (``copies``), keep
+    k tokens per (layer, head) in the first blocks of ``block_table`` (the table before the
+    engine freed the tail)."""
+
+    seq_id: int
+    block_table: list[int]
+    budget: int
+    copies: list[BlockCopy] = field(default_factory=list)
+
+
+@dataclass
+class ReleaseOp:
+    """The sequence finished: drop its executor state (budget, generator, sampling info)."""
+
+    seq_id: int
+
+
+@dataclass
+class RetainOp:
+    """Keep executor state only for these sequences (after the scheduler side was rebuilt)."""
+
+    seq_ids: list[int]
+
+
+RunnerOp = ForkOp | CompactOp | ReleaseOp | RetainOp
+
+
+@dataclass
+class StepInput:
+    items: list[StepItem]  # decode items first (one query token each), then the rest
+    num_decode: int
+    block_copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write, before the forward
+    seq_infos: dict[int, SeqInfo] = field(default_factory=dict)  # sequences new to the executor
+    ops: list[RunnerOp] = field(default_factory=list)  # applied first, in order
+    step: int = 0
+
+    @property
+    def decode(self) -> list[StepItem]:
+        return self.items[: self.num_decode]
+
+    @property
+    def prefill(self) -> list[StepItem]:
+        return self.items[self.num_decode :]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.items
+
+
+@dataclass
+class StepOutput:
+    """Only the driver rank (rank 0) fills it; other shards return an empty one."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> emitted tokens
+    logprobs: dict[int, list[float]] = field(default_factory=dict)  # seq_id -> their logprobs
+    num_accepted: dict[int, int] = field(default_factory=dict)  # verified seq_id -> drafts kept
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> [rows, vocab] f32
+    kv_stats: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (held, evicted)
+
+
+def step_item(scheduled: ScheduledSeq, **fields: object) -> StepItem:
+    """The item for one scheduled sequence (its new tokens read from the sequence)."""
+    seq, start = scheduled.seq, scheduled.start
+    return StepItem(
+        seq_id=seq.seq_id,
+        token_ids=[seq.token_at(i) for i in range(start, start + scheduled.num_new_tokens)],
+        start=start,
+        block_table=list(seq.block_table),
+        num_lookahead=scheduled.num_lookahead,
+        draft_token_ids=list(scheduled.draft_token_ids),
+        num_output_tokens=len(seq.output_token_ids),
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def logits_step_input(plan: StepPlan, rows: int = 1) -> StepInput:
+    """A step that only returns the raw logits of each sequence's last ``rows`` rows."""
+    items = [step_item(s, return_logits=rows) for s in plan.scheduled]
+    return StepInput(items, len(plan.decode), list(plan.blocks_to_copy))
