@@ -78,11 +78,68 @@ class SpecConfig(_Strict):
     )
 
 
+class ParallelConfig(_Strict):
+    """Where the engine runs: in this process (``tensor_parallel_size`` 1, no address), or on a
+    Ray cluster as a tensor-parallel target group, a draft actor and a KV-block manager actor."""
+
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="Target-model shards (one Ray actor each; 1 = one actor)."
+    )
+    address: str | None = Field(
+        None, description="Ray cluster to join ('auto', 'ray://host:10001', ...); None starts a "
+        "local one if none is running."
+    )
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="Placement-group strategy of the target group's shards."
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend: auto = NCCL with CUDA, gloo otherwise."
+    )
+    worker_num_cpus: float = Field(
+        0.25, ge=0.0, description="CPUs reserved per target shard (fractional is fine)."
+    )
+    worker_num_gpus: float | None = Field(
+        None, ge=0.0, description="GPUs per target shard; None = 1 when CUDA is available, else 0."
+    )
+    worker_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each target shard needs."
+    )
+    draft_num_cpus: float = Field(0.25, ge=0.0, description="CPUs reserved for the draft actor.")
+    draft_num_gpus: float | None = Field(
+        None, ge=0.0, description="GPUs for the draft actor; None = like the shards."
+    )
+    draft_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources of the draft actor (e.g. to put it on another node).",
+    )
+    kv_manager_num_cpus: float = Field(
+        0.0, ge=0.0, description="CPUs reserved for the KV-block manager actor (bookkeeping only)."
+    )
+    kv_manager_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources of the KV-block manager actor."
+    )
+    max_restarts: int = Field(
+        4, ge=-1, description="Ray restarts of the draft and KV-block manager actors (-1 = forever); "
+        "a lost target shard is replaced by recreating the whole group."
+    )
+    max_recoveries: int = Field(
+        8, ge=0, description="Consecutive failed steps the engine recovers from before giving up."
+    )
+    collective_timeout_s: float = Field(
+        120.0, gt=0.0, description="torch.distributed timeout (a dead peer fails a step after this)."
+    )
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.tensor_parallel_size > 1 or self.address is not None
+
+
 class EngineConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     spec: SpecConfig = Field(default_factory=SpecConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     seed: int = Field(0, ge=0, description="Seed of the global RNG (unseeded requests).")
 
     @classmethod
@@ -94,13 +151,16 @@ class EngineConfig(_Strict):
     def from_flat(cls, **kwargs: object) -> "EngineConfig":
         """Build from flat keyword arguments (``model=..., block_size=..., max_num_seqs=...``),
         routing each to its section; an unknown name is an error."""
-        sections: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}, "spec": {}}
+        sections: dict[str, dict[str, object]] = {
+            "model": {}, "cache": {}, "scheduler": {}, "spec": {}, "parallel": {}
+        }
         top: dict[str, object] = {}
         owners = {
             "model": ModelConfig.model_fields,
             "cache": CacheConfig.model_fields,
             "scheduler": SchedulerSettings.model_fields,
             "spec": SpecConfig.model_fields,
+            "parallel": ParallelConfig.model_fields,
         }
         for key, value in kwargs.items():
             if value is None:
