@@ -10,6 +10,7 @@ import pytest
 
 from chart_render import MANIFESTS_DIR, one, render_objects
 from kube_schemas import load_yaml_documents
+from write_manifests import manifests
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's engine) is not installed")
 
@@ -56,3 +57,10 @@ def test_raycluster_manifest_is_the_rayservice_cluster():
     cluster = manifest("raycluster.yaml")
     assert cluster["metadata"]["name"] == "keyserve-cluster"  # not the RayService's: its services differ
     assert cluster["spec"] == relabel_components(service["spec"]["rayClusterConfig"], "serve-", "cluster-")
+
+
+@pytest.mark.parametrize("name", ["rayservice.yaml", "rayjob.yaml", "raycluster.yaml"])
+def test_manifest_files_are_up_to_date(name):
+    assert (MANIFESTS_DIR / name).read_text() == manifests()[name], (
+        f"manifests/{name} differs from the chart: run .venv/bin/python tests/deploy/write_manifests.py"
+    )

@@ -16,6 +16,9 @@ key never appears here: it reaches every Ray container as env KEYSERVE_API_KEY.
   "max_num_seqs" (int $v.engine.maxNumSeqs)
   "max_queued_requests" (int $v.serve.maxQueuedRequests)
   "request_timeout_s" $v.serve.requestTimeoutS
+  "deployment_name" $v.serve.deploymentName
+  "num_cpus" $v.serve.numCpus
+  "num_gpus" (include "keyserve.replicaGpus" . | float64)
 }}
 {{- with $v.model.servedModelName }}
 {{- $_ := set $args "served_model_name" . }}
@@ -33,15 +36,30 @@ key never appears here: it reaches every Ray container as env KEYSERVE_API_KEY.
 {{- toYaml (mergeOverwrite $args (deepCopy ($v.serve.extraArgs | default dict))) }}
 {{- end }}
 
-{{/* The Serve deployment settings: replicas or autoscaling, concurrency, actor options. */}}
+{{/* GPUs each Serve replica reserves: serve.numGpus, else 1 for an in-process GPU engine
+     (tensor-parallel size 1 on GPU workers), else 0 (tensor-parallel shards reserve their own). */}}
+{{- define "keyserve.replicaGpus" -}}
+{{- $v := .Values }}
+{{- if not (kindIs "invalid" $v.serve.numGpus) }}{{ $v.serve.numGpus }}
+{{- else if and $v.worker.enabled (eq $v.worker.accelerator "nvidia") (eq (int $v.model.tensorParallelSize) 1) }}1
+{{- else }}0
+{{- end }}
+{{- end }}
+
+{{/* The Serve deployment settings that belong to Ray Serve: replicas or autoscaling, and
+     concurrency when set (else build_app's own default stands). */}}
 {{- define "keyserve.serveDeployment" -}}
 {{- $s := .Values.serve }}
-{{- $d := dict "name" $s.deploymentName "max_ongoing_requests" (int $s.maxOngoingRequests) }}
+{{- $d := dict "name" $s.deploymentName }}
+{{- if not (kindIs "invalid" $s.maxOngoingRequests) }}
+{{- $_ := set $d "max_ongoing_requests" (int $s.maxOngoingRequests) }}
+{{- end }}
 {{- if $s.autoscaling.enabled }}
 {{- $a := $s.autoscaling }}
 {{- if gt (int $a.minReplicas) (int $a.maxReplicas) }}
 {{- fail (printf "serve.autoscaling.minReplicas (%d) must not exceed serve.autoscaling.maxReplicas (%d)" (int $a.minReplicas) (int $a.maxReplicas)) }}
 {{- end }}
+{{- $_ := set $d "num_replicas" "auto" }}
 {{- $_ := set $d "autoscaling_config" (dict
   "min_replicas" (int $a.minReplicas)
   "max_replicas" (int $a.maxReplicas)
@@ -50,9 +68,6 @@ key never appears here: it reaches every Ray container as env KEYSERVE_API_KEY.
   "downscale_delay_s" $a.downscaleDelayS) }}
 {{- else }}
 {{- $_ := set $d "num_replicas" (int $s.numReplicas) }}
-{{- end }}
-{{- with $s.rayActorOptions }}
-{{- $_ := set $d "ray_actor_options" (deepCopy .) }}
 {{- end }}
 {{- toYaml $d }}
 {{- end }}
