@@ -205,6 +205,25 @@ def test_batch_job_runs_on_its_own_cluster_and_mounts_the_data(rendered_cases):
     assert {"name": "batch-data", "mountPath": "/data"} in head["containers"][0]["volumeMounts"]
 
 
+def test_gpu_batch_driver_runs_on_a_worker_that_sees_the_data():
+    values = {"serve": {"enabled": False}, "worker": {"accelerator": "nvidia"},
+              "batchJob": {"enabled": True, "entrypointNumGpus": 1, "entrypointNumCpus": 4,
+                           "data": {"mountOnWorkers": True}}}
+    spec = one(render_objects(values), "RayJob")["spec"]
+    assert spec["entrypointNumGpus"] == 1 and spec["entrypointNumCpus"] == 4
+    for template in [spec["rayClusterSpec"]["headGroupSpec"]["template"]] + [
+            g["template"] for g in spec["rayClusterSpec"]["workerGroupSpecs"]]:
+        assert {"name": "batch-data", "mountPath": "/data"} in template["spec"]["containers"][0]["volumeMounts"]
+
+
+def test_cpu_batch_driver_stays_on_the_head(rendered_cases):
+    spec = one(rendered_cases["batch-job-only.yaml"], "RayJob")["spec"]
+    assert "entrypointNumGpus" not in spec and "entrypointNumCpus" not in spec
+    for group in spec["rayClusterSpec"]["workerGroupSpecs"]:
+        mounts = group["template"]["spec"]["containers"][0]["volumeMounts"]
+        assert all(m["name"] != "batch-data" for m in mounts)
+
+
 def test_additional_worker_groups_can_be_disabled():
     values = {"additionalWorkerGroups": {"on": {"replicas": 1}, "off": {"replicas": 1, "disabled": True}}}
     service = one(render_objects(values), "RayService")

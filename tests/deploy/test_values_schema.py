@@ -52,6 +52,8 @@ TEMPLATE_ERRORS = [
      ['worker group "workers": replicas (3) must lie between minReplicas (1) and maxReplicas (2)']),
     ("autoscaling min above max", {"serve": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
      ["serve.autoscaling.minReplicas (5) must not exceed serve.autoscaling.maxReplicas (2)"]),
+    ("gpu batch driver without the data on workers", {"batchJob": {"enabled": True, "entrypointNumGpus": 1}},
+     ["batchJob.entrypointNumGpus puts the job's driver on a GPU worker", "mountOnWorkers=true"]),
 ]
 
 

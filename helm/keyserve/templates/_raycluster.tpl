@@ -137,9 +137,9 @@ tolerations and node selector; CPU groups tell Ray they have no GPU.
             {{- toYaml . | nindent 12 }}
           {{- end }}
           volumeMounts:
-            {{- include "keyserve.volumeMounts" (dict "root" $root "group" $g "batch" false) | trim | nindent 12 }}
+            {{- include "keyserve.volumeMounts" (dict "root" $root "group" $g "batch" (and (eq .workload "batch") $root.Values.batchJob.data.mountOnWorkers)) | trim | nindent 12 }}
       volumes:
-        {{- include "keyserve.volumes" (dict "root" $root "group" $g "batch" false) | trim | nindent 8 }}
+        {{- include "keyserve.volumes" (dict "root" $root "group" $g "batch" (and (eq .workload "batch") $root.Values.batchJob.data.mountOnWorkers)) | trim | nindent 8 }}
 {{- end }}
 
 {{/* The whole cluster spec. */}}
