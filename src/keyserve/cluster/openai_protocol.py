@@ -101,7 +101,8 @@ class CompletionRequest(_SamplingFields):
         return bad
 
     def to_sampling_params(self, max_model_len: int) -> SamplingParams:
-        return self._params(self.max_tokens or max_model_len, self.logprobs is not None)
+        limit = self.max_tokens if self.max_tokens is not None else max_model_len
+        return self._params(limit, self.logprobs is not None)
 
 
 class TextPart(_Request):
