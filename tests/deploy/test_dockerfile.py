@@ -54,7 +54,7 @@ def test_torch_pin_and_cpu_index_match_pyproject():
 def test_torch_is_installed_before_keyserve():
     runs = [arg for kind, arg in instructions() if kind == "RUN"]
     torch_at = next(i for i, run in enumerate(runs) if '"torch==${TORCH_VERSION}"' in run)
-    keyserve_at = next(i for i, run in enumerate(runs) if "pip install --no-cache-dir --no-deps ." in run)
+    keyserve_at = next(i for i, run in enumerate(runs) if "pip install --no-cache-dir --no-deps ./keyserve-src" in run)
     assert torch_at < keyserve_at
     assert '--index-url "${TORCH_INDEX_URL}"' in runs[torch_at]
 
@@ -85,4 +85,5 @@ def test_dockerignore_keeps_what_the_build_copies():
     for needed in ("!pyproject.toml", "!README.md", "!src/"):
         assert needed in lines
     copied = [arg for kind, arg in instructions() if kind == "COPY"]
-    assert copied == ["--chown=1000:100 pyproject.toml README.md ./", "--chown=1000:100 src ./src"]
+    assert copied == ["--chown=1000:100 pyproject.toml README.md keyserve-src/",
+                      "--chown=1000:100 src keyserve-src/src"]
