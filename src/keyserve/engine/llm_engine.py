@@ -268,8 +268,11 @@ class LLMEngine:
         scheduled = self.core.schedule(speculate)
         self._apply_seq_stats(scheduled.seq_stats)
         step = scheduled.step
-        self.last_step_empty = step is None
+        self.last_step_empty = step is None or step.is_empty
         if step is None:
+            return []
+        if step.is_empty:  # nothing to compute, only ops for the model side (remote cores)
+            self.runner.execute(step)
             return []
         draft_probs = self._propose(step) if speculate else None
         out = self.runner.execute(step, draft_probs)
