@@ -104,6 +104,9 @@ class ParallelConfig(_Strict):
     worker_resources: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources each target shard needs."
     )
+    worker_threads: int | None = Field(
+        None, ge=1, description="torch threads per shard; None = the node's cores / shards."
+    )
     draft_num_cpus: float = Field(0.25, ge=0.0, description="CPUs reserved for the draft actor.")
     draft_num_gpus: float | None = Field(
         None, ge=0.0, description="GPUs for the draft actor; None = like the shards."
