@@ -1,0 +1,48 @@
+"""What every actor module shares: joining a cluster, the errors that trigger recovery."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+
+class ShardLost(RuntimeError):
+    """A target shard died (or a collective failed because one did): rebuild the group."""
+
+
+class CoreLost(RuntimeError):
+    """The KV-block manager actor died or restarted: give it the unfinished work again."""
+
+
+ACTOR_LOST = (RayActorError,)  # ActorDiedError and ActorUnavailableError derive from it
+
+
+def ensure_ray(address: str | None = None) -> None:
+    """Join the cluster at ``address``, else a running local one, else start one."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    if address is not None:
+        ray.init(address=address, ignore_reinit_error=True)
+        return
+    try:
+        ray.init(address="auto", ignore_reinit_error=True)
+    except ConnectionError:
+        ray.init(ignore_reinit_error=True)
+
+
+def new_incarnation() -> str:
+    """Set in an actor's constructor: a restarted actor (fresh state) answers with a new one."""
+    return uuid.uuid4().hex
+
+
+def alive(handles: list, timeout_s: float = 10.0) -> bool:
+    """Whether every actor answers a ping (``ready``) within ``timeout_s``."""
+    try:
+        ray.get([h.ready.remote() for h in handles], timeout=timeout_s)
+        return True
+    except (RayActorError, RayTaskError, GetTimeoutError):
+        return False

@@ -1,0 +1,235 @@
+"""The draft model as a Ray actor (thin, around ``engine.draft_worker.DraftWorker``), and the
+engine-side client that keeps its per-step message small.
+
+The actor holds the draft weights, its paged KV and block manager, and a shadow of every target
+sequence's tokens, so each ``propose`` call carries per sequence only the tokens that are new
+since the last call. It returns two objects: the draft tokens (small, read by the engine) and
+the draft probabilities (large, passed by reference straight to the target's rank 0). It may be
+placed on another node than the target group (``ParallelConfig.draft_resources``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import ray
+import torch
+
+from keyserve.actors.common import ACTOR_LOST, new_incarnation
+from keyserve.config import ParallelConfig
+from keyserve.core.block_manager import BlockManager
+from keyserve.core.sampling_params import SamplingParams
+from keyserve.core.sequence import Sequence
+from keyserve.engine.draft_worker import DraftWorker, Proposal
+from keyserve.engine.model_runner import ModelRunner
+
+
+@dataclass
+class DraftSpec:
+    draft: str  # what SpecConfig.draft names
+    target_dir: str  # the target's resolved directory (tokenizer, embeddings, vocab)
+    dtype: str
+    device: str
+    num_blocks: int
+    block_size: int
+    seed: int
+
+
+@dataclass
+class DraftEntry:
+    seq_id: int
+    base: int  # tokens of the target the actor already has (it keeps the first `base`)
+    tail: list[int]  # the target's tokens after those
+    num_draft: int
+
+
+@dataclass
+class DraftBatch:
+    entries: list[DraftEntry]
+    infos: dict[int, tuple[str, SamplingParams, int, float]]  # new seq_id -> (request, params, sample, arrival)
+    released: list[int] = field(default_factory=list)
+    incarnation: str | None = None  # the actor the client believes it talks to
+
+
+@dataclass
+class DraftTokens:
+    token_ids: torch.Tensor  # [num_seqs, max_k] int64
+    num_draft: torch.Tensor  # [num_seqs] int64
+    incarnation: str
+    resync: bool = False  # the actor restarted: nothing proposed, send full tokens again
+
+
+def _target_stub(target_dir: str, dtype: torch.dtype, device: torch.device) -> SimpleNamespace:
+    """What ``load_draft`` reads from the target -- config, tokenizer, input embeddings --
+    without loading the whole target on the draft's node."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from keyserve.model.config import ModelConfig
+    from keyserve.model.weights import iter_safetensors
+
+    path = Path(target_dir)
+    embed = next(t for name, t in iter_safetensors(path) if name == "model.embed_tokens.weight")
+    weight = embed.to(device, dtype)
+    return SimpleNamespace(
+        model=SimpleNamespace(model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight)), dtype=dtype),
+        config=ModelConfig.from_file(path / "config.json"),
+        tokenizer=AutoTokenizer.from_pretrained(str(path)),
+        path=path,
+        generation_config={},
+    )
+
+
+class DraftActor:
+    """Applied ``ray.remote`` by ``RemoteDrafter``."""
+
+    def __init__(self, spec: DraftSpec) -> None:
+        from keyserve.engine.llm_engine import _DTYPES, resolve_device
+        from keyserve.model.draft import load_draft
+        from keyserve.model.kv_cache import allocate_kv_cache
+
+        torch.manual_seed(spec.seed)
+        device = resolve_device(spec.device)
+        dtype = _DTYPES[spec.dtype]
+        draft = load_draft(spec.draft, _target_stub(spec.target_dir, dtype, device), dtype=dtype, device=device)
+        kv = allocate_kv_cache(draft.config, spec.num_blocks, spec.block_size, dtype, device)
+        runner = ModelRunner(
+            draft.model, kv, spec.block_size, draft.config.sliding_window, device,
+            num_layers=draft.config.num_hidden_layers, num_kv_heads=kv[0][0].shape[2],
+        )
+        self.worker = DraftWorker(runner, BlockManager(spec.num_blocks, spec.block_size, True),
+                                  draft.config.vocab_size)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in draft.model.parameters())
+        self.targets: dict[int, Sequence] = {}
+        self.incarnation = new_incarnation()
+
+    def ready(self) -> tuple[str, int]:
+        return self.incarnation, self.weight_bytes
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def propose(self, batch: DraftBatch) -> tuple[DraftTokens, torch.Tensor | None]:
+        self.release(batch.released)
+        if batch.incarnation not in (None, self.incarnation):
+            return DraftTokens(torch.zeros(0, 0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                               self.incarnation, resync=True), None
+        targets = []
+        for entry in batch.entries:
+            target = self.targets.get(entry.seq_id)
+            if target is None:
+                request_id, params, sample_index, arrival = batch.infos[entry.seq_id]
+                target = Sequence(request_id, [], params, arrival=arrival, sample_index=sample_index,
+                                  seq_id=entry.seq_id)
+                self.targets[entry.seq_id] = target
+            del target.prompt_token_ids[entry.base :]
+            target.prompt_token_ids.extend(entry.tail)
+            targets.append(target)
+        proposal = self.worker.propose(targets, [e.num_draft for e in batch.entries])
+        return DraftTokens(proposal.token_ids, proposal.num_draft, self.incarnation), proposal.probs
+
+    def release(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            target = self.targets.pop(seq_id, None)
+            if target is not None:
+                self.worker.release(target)
+
+    def stats(self) -> dict[str, int]:
+        bm = self.worker.block_manager
+        return {"num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
+                "num_mirrors": len(self.worker.mirrors)}
+
+
+class RemoteDrafter:
+    """The engine's drafter when the draft is an actor: same ``propose``/``release`` as
+    ``DraftWorker``. If the actor is lost, it proposes nothing (the engine decodes without
+    speculation) until the actor is back -- restarted by Ray, or recreated here."""
+
+    def __init__(self, spec: DraftSpec, parallel: ParallelConfig, num_gpus: float) -> None:
+        self.spec, self.parallel, self.num_gpus = spec, parallel, num_gpus
+        self.actor = self._create()
+        self.incarnation, self.weight_bytes = ray.get(self.actor.ready.remote())
+        self._seen: dict[int, int] = {}  # seq_id -> tokens the actor has for it
+        self._released: list[int] = []
+        self._ready_ref: ray.ObjectRef | None = None
+        self.num_losses = 0
+
+    def _create(self):
+        p = self.parallel
+        return ray.remote(DraftActor).options(
+            num_cpus=p.draft_num_cpus, num_gpus=self.num_gpus, resources=dict(p.draft_resources),
+            max_restarts=p.max_restarts,
+        ).remote(self.spec)
+
+    @property
+    def available(self) -> bool:
+        if self._ready_ref is None:
+            return True
+        ready, _ = ray.wait([self._ready_ref], timeout=0)
+        if not ready:
+            return False
+        try:
+            self.incarnation, _ = ray.get(self._ready_ref)
+        except ACTOR_LOST:  # out of restarts: a new actor
+            self.actor = self._create()
+            self._ready_ref = self.actor.ready.remote()
+            return False
+        self._ready_ref = None
+        self._seen.clear()
+        self._released.clear()
+        return True
+
+    def _lost(self) -> None:
+        self.num_losses += 1
+        self._ready_ref = self.actor.ready.remote()
+
+    def propose(self, targets: list[Sequence], num_draft: list[int]) -> Proposal:
+        for _ in range(2):  # a second time only after the actor was found restarted
+            batch = self._batch(targets, num_draft)
+            try:
+                tokens_ref, probs_ref = self.actor.propose.options(num_returns=2).remote(batch)
+                tokens: DraftTokens = ray.get(tokens_ref)
+            except ACTOR_LOST:
+                self._lost()
+                break
+            if not tokens.resync:
+                for seq in targets:
+                    self._seen[seq.seq_id] = seq.num_tokens
+                return Proposal(tokens.token_ids, probs_ref, tokens.num_draft)  # type: ignore[arg-type]
+            self.incarnation = tokens.incarnation
+            self._seen.clear()
+        k = max(num_draft, default=0)
+        return Proposal(torch.zeros(len(targets), k, dtype=torch.int64), None,  # type: ignore[arg-type]
+                        torch.zeros(len(targets), dtype=torch.int64))
+
+    def _batch(self, targets: list[Sequence], num_draft: list[int]) -> DraftBatch:
+        entries, infos = [], {}
+        for seq, n in zip(targets, num_draft):
+            base = self._seen.get(seq.seq_id)
+            if base is None:
+                infos[seq.seq_id] = (seq.request_id, seq.params, seq.sample_index, seq.arrival)
+                base = 0
+            entries.append(DraftEntry(seq.seq_id, base, seq.token_ids[base:], n))
+        released, self._released = self._released, []
+        return DraftBatch(entries, infos, released, self.incarnation)
+
+    def release(self, seq: Sequence) -> None:
+        """Sent with the next proposal (no round trip of its own)."""
+        if self._seen.pop(seq.seq_id, None) is not None:
+            self._released.append(seq.seq_id)
+
+    def flush(self) -> None:
+        if self._released and self._ready_ref is None:
+            self.actor.release.remote(self._released)
+            self._released = []
+
+    def stats(self) -> dict[str, int]:
+        return ray.get(self.actor.stats.remote())
+
+    def shutdown(self) -> None:
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001
+            pass

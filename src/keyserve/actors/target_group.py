@@ -1,0 +1,123 @@
+"""The tensor-parallel target group: a placement group and one ``TPWorker`` actor per shard.
+
+``execute`` is the model runner's interface over Ray: the step's one ``StepInput`` goes to every
+rank (put once in the object store), the draft probabilities (an object ref straight from the
+draft actor) to rank 0 only, and one wait collects the step -- no per-token or per-layer round
+trips. A failed shard poisons the group's collectives, so the group is replaced as a whole.
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from keyserve.actors.common import ACTOR_LOST, ShardLost, alive
+from keyserve.actors.tp_worker import TPWorker, WorkerSpec, check_tp_fits
+from keyserve.config import ParallelConfig
+from keyserve.engine.step_input import RunnerOp, StepInput, StepOutput
+from keyserve.model.config import ModelConfig
+
+PLACEMENT_TIMEOUT_S = 120.0
+
+
+def worker_gpus(parallel: ParallelConfig, device: str) -> float:
+    if parallel.worker_num_gpus is not None:
+        return parallel.worker_num_gpus
+    has_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    return 1.0 if device != "cpu" and has_gpu else 0.0
+
+
+class TargetGroup:
+    def __init__(self, spec: WorkerSpec, parallel: ParallelConfig, arch: ModelConfig) -> None:
+        self.tp = parallel.tensor_parallel_size
+        check_tp_fits(arch, self.tp, spec.model_dir)
+        self.spec, self.parallel = spec, parallel
+        self.num_gpus = worker_gpus(parallel, spec.device)
+        bundle = {"CPU": parallel.worker_num_cpus, **parallel.worker_resources}
+        if self.num_gpus:
+            bundle["GPU"] = self.num_gpus
+        self.pg = placement_group([dict(bundle) for _ in range(self.tp)], strategy=parallel.placement_strategy)
+        try:
+            ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except GetTimeoutError:
+            remove_placement_group(self.pg)
+            raise RuntimeError(
+                f"cannot place {self.tp} target shards of {bundle} with {parallel.placement_strategy}; "
+                f"the cluster has {ray.available_resources()} available"
+            ) from None
+        self.workers: list = []
+        self.weight_bytes = 0
+        self._ops: list[RunnerOp] = []
+        self.num_restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        cls = ray.remote(TPWorker)
+        p = self.parallel
+        self.workers = [
+            cls.options(
+                num_cpus=p.worker_num_cpus,
+                num_gpus=self.num_gpus,
+                resources=dict(p.worker_resources),
+                max_restarts=0,  # a lone restarted shard cannot rejoin the process group
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                name=None,
+            ).remote(i, self.tp, self.spec)
+            for i in range(self.tp)
+        ]
+        host, port = ray.get(self.workers[0].master_address.remote())
+        self.weight_bytes = sum(ray.get([w.setup.remote(host, port) for w in self.workers]))
+
+    # ------------------------------------------------------- runner interface
+    def apply_ops(self, ops: list[RunnerOp]) -> dict[int, tuple[int, int]]:
+        """Ops ride along with the next step (the shards apply them before anything else)."""
+        self._ops += ops
+        return {}
+
+    def execute(
+        self,
+        step: StepInput,
+        draft_probs: torch.Tensor | ray.ObjectRef | None = None,  # [num_drafted, max_draft, vocab]
+    ) -> StepOutput:
+        if self._ops:
+            step.ops, self._ops = self._ops + step.ops, []
+        arg = ray.put(step) if self.tp > 1 else step
+        refs = [w.execute.remote(arg, draft_probs if i == 0 else None) for i, w in enumerate(self.workers)]
+        try:
+            if self.tp == 1:
+                return ray.get(refs[0])
+            pending = refs
+            while pending:  # stop at the first failure: a dead peer may hang the others
+                ready, pending = ray.wait(pending, num_returns=1)
+                ray.get(ready)
+            return ray.get(refs[0])
+        except ACTOR_LOST as e:
+            raise ShardLost(f"a target shard died: {e}") from e
+        except Exception as e:
+            if alive(self.workers):
+                raise  # a real error in the step, not a lost shard
+            raise ShardLost(f"a target shard died: {e}") from e
+
+    # ------------------------------------------------------------- lifecycle
+    def restart(self) -> None:
+        """Replace every shard (the KV is lost; the engine recomputes from tokens)."""
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self._ops = []
+        self.num_restarts += 1
+        self._start()
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # noqa: BLE001 — already gone
+                pass
+        self.workers = []
+        try:
+            remove_placement_group(self.pg)
+        except Exception:  # noqa: BLE001
+            pass
