@@ -1,0 +1,132 @@
+"""Measure a draft against its target offline: the acceptance speculative decoding would see.
+
+At temperature 0 speculative decoding accepts a draft token exactly when it equals the
+target's greedy token, and every accepted draft token was conditioned on the target's own
+prefix -- so running the target greedily once and reading the draft's argmax at every
+position of that text (one teacher-forced pass) gives the exact accept/reject sequence, from
+which tokens per target forward follow for any K. At temperature T the per-token acceptance
+probability is ``sum_x min(p_T(x), q_T(x))``, read at the same positions.
+
+    python -m keyserve.draft.acceptance --draft drafts/SmolLM2-135M-Instruct-draft
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+from keyserve.draft.dense import DenseLlama
+from keyserve.draft.generate import GenerationJob, generate_answers
+from keyserve.draft.records import Answer
+from keyserve.model.draft import load_draft
+from keyserve.model.loader import LoadedModel, load_model
+from keyserve.model.testing import PagedRunner
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a CPU cache is.",
+    "List three fruits that are red.",
+    "How do I reverse a list in Python?",
+    "Give me two tips for better sleep.",
+    "Why is the sky blue?",
+    "Write a short story about a cat who learns to fly.",
+    "What are the benefits of regular exercise?",
+    "Summarize the plot of Romeo and Juliet in three sentences.",
+]
+
+
+@dataclass
+class AcceptanceReport:
+    prompts: int
+    positions: int
+    greedy_acceptance: float  # P(draft argmax == target argmax) on the target's greedy text
+    tokens_per_target_forward: dict[int, float]  # K -> mean tokens per verification at T = 0
+    sampled_acceptance: dict[float, float]  # T -> mean sum_x min(p_T, q_T) on the same text
+
+
+def simulate_greedy(agree: list[bool], k: int) -> float:
+    """Tokens per target forward of greedy speculative decoding with ``k`` drafts, given
+    whether the draft's argmax matches the target's at each position of the target's text."""
+    pos, forwards, n = 0, 0, len(agree)
+    while pos < n:
+        accepted = 0
+        while accepted < k and pos + accepted < n and agree[pos + accepted]:
+            accepted += 1
+        pos += accepted + 1  # the accepted drafts plus the target's own token
+        forwards += 1
+    return n / max(forwards, 1)
+
+
+def _chat_ids(target: LoadedModel, text: str) -> list[int]:
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _overlap(
+    draft_logits: torch.Tensor,  # [n, vocab]
+    target_logits: torch.Tensor,  # [n, vocab]
+    temperature: float,
+) -> float:
+    p = torch.softmax(draft_logits / temperature, -1)
+    q = torch.softmax(target_logits / temperature, -1)
+    return float(torch.minimum(p, q).sum(-1).mean())
+
+
+@torch.inference_mode()
+def measure(
+    target: LoadedModel,
+    draft: LoadedModel,
+    prompts: list[str],
+    max_new_tokens: int = 128,
+    ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8),
+    temperatures: tuple[float, ...] = (0.8, 1.0),
+) -> AcceptanceReport:
+    ids = [_chat_ids(target, p) for p in prompts]
+    eos = {int(e) for e in target.config.eos_token_ids} | {int(target.tokenizer.eos_token_id)}
+    job = GenerationJob(ids, [0.0] * len(ids), list(range(len(ids))), max_new_tokens, eos, top_k=1,
+                        slots=len(ids))
+    answers: list[Answer] = []
+    generate_answers(DenseLlama.from_serving(target.model), job, float("inf"), answers.extend)
+    agree_all: list[list[bool]] = []
+    overlaps: dict[float, list[float]] = {t: [] for t in temperatures}
+    for a in sorted(answers, key=lambda a: a.prompt_index):
+        seq = a.prompt + a.tokens
+        rows = slice(len(a.prompt) - 1, len(seq) - 1)  # positions predicting the answer
+        d_logits = PagedRunner(draft.model).teacher_forced({0: seq}, {0: len(seq)})[0][rows]
+        t_logits = PagedRunner(target.model).teacher_forced({0: seq}, {0: len(seq)})[0][rows]
+        agree_all.append((d_logits.argmax(-1) == torch.tensor(a.tokens)).tolist())
+        for t in temperatures:
+            overlaps[t].append(_overlap(d_logits, t_logits, t) * len(a.tokens))
+    positions = sum(len(a) for a in agree_all)
+    return AcceptanceReport(
+        prompts=len(prompts),
+        positions=positions,
+        greedy_acceptance=sum(sum(a) for a in agree_all) / max(positions, 1),
+        tokens_per_target_forward={
+            k: sum(simulate_greedy(a, k) * len(a) for a in agree_all) / max(positions, 1) for k in ks
+        },
+        sampled_acceptance={t: sum(v) / max(positions, 1) for t, v in overlaps.items()},
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--draft", required=True)
+    parser.add_argument("--target", default=None)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target = load_model(args.target, progress=False)
+    draft = load_draft(args.draft, target)
+    report = measure(target, draft, CHAT_PROMPTS, args.max_tokens)
+    print(json.dumps(asdict(report), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,280 @@
+"""``keyserve distill-draft``: prompts -> target answers -> pruned vocabulary -> trained draft.
+
+``--out DIR`` is both the draft directory and the work directory: the target's answers are
+cached under ``DIR/data/`` and training checkpoints go to ``DIR/checkpoint.pt`` (both listed in
+``DIR/.gitignore``), so ``--resume`` neither regenerates data nor restarts training. The time
+budget is split: about a third for generation, the rest for training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keyserve.draft.dense import DenseLlama
+from keyserve.draft.export import export_draft
+from keyserve.draft.generate import GenerationJob, generate_answers
+from keyserve.draft.prompts import build_prompts, story_prompts
+from keyserve.draft.records import Answer, TeacherData, load_parts
+from keyserve.draft.threads import ThreadTuner
+from keyserve.draft.train import Checkpoint, TrainConfig, TrainResult, train_draft
+from keyserve.draft.vocab import coverage, index_map, select_vocab
+from keyserve.model.draft import DraftMeta, embedding_checksum, tokenizer_fingerprint
+from keyserve.model.loader import LoadedModel, load_model
+from keyserve.model.paths import DEFAULT_MODEL_NAME
+
+GITIGNORE = "checkpoint.pt\ncheckpoint.tmp\ndata/\n*.tmp\n"
+GEN_SHARE = 0.33  # of the time budget, for the target's answers
+EXPORT_RESERVE_S = 60.0  # kept back from training for the final evaluation and export
+HELDOUT_SHARE = 0.05
+
+
+@dataclass
+class DistillOptions:
+    out: str
+    target: str | None = None
+    layers: int = 2
+    init_layers: str | None = None  # "0,29"; default: evenly spaced, first and last included
+    vocab: int = 8192
+    num_prompts: int = 768
+    gen_tokens: int = 192
+    temperature: float = 0.8
+    greedy_fraction: float = 0.25
+    teacher_top_k: int = 32
+    steps: int = 3000
+    batch_tokens: int = 2048
+    lr: float = 1e-3
+    seed: int = 0
+    threads: int = 2
+    resume: bool = False
+    time_budget_min: float = 50.0
+    gen_slots: int = 48
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> DistillOptions:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def init_layer_ids(spec: str | None, num_layers: int, target_layers: int) -> list[int]:
+    """Target layers to copy: ``spec`` ("0,29"), else evenly spaced from first to last."""
+    if spec:
+        ids = [int(x) for x in spec.split(",")]
+        if len(ids) != num_layers:
+            raise ValueError(f"--init-layers names {len(ids)} layers but --layers is {num_layers}")
+    elif num_layers == 1:
+        ids = [0]
+    else:
+        ids = [math.floor(i * (target_layers - 1) / (num_layers - 1) + 0.5) for i in range(num_layers)]
+    bad = [i for i in ids if not 0 <= i < target_layers]
+    if bad:
+        raise ValueError(f"--init-layers {bad} outside the target's {target_layers} layers")
+    return ids
+
+
+def _encode_prompts(target: LoadedModel, n: int, seed: int) -> tuple[list[list[int]], bool]:
+    """Token ids of ``n`` prompts: chat-templated for chat models, plain stories otherwise."""
+    tok = target.tokenizer
+    if getattr(tok, "chat_template", None):
+        out = []
+        for text in build_prompts(n, seed):
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True
+            )
+            out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        return out, True
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    return [bos + tok.encode(t, add_special_tokens=False) for t in story_prompts(n, seed)], False
+
+
+def _temperatures(n: int, opts: DistillOptions) -> list[float]:
+    rng = random.Random(opts.seed + 1)
+    return [0.0 if rng.random() < opts.greedy_fraction else opts.temperature for _ in range(n)]
+
+
+def _stop_ids(target: LoadedModel) -> set[int]:
+    ids = set(target.config.eos_token_ids)
+    if target.tokenizer.eos_token_id is not None:
+        ids.add(int(target.tokenizer.eos_token_id))
+    return ids
+
+
+def _generate(
+    target: LoadedModel, teacher: DenseLlama, out: Path, opts: DistillOptions, deadline: float
+) -> TeacherData:
+    """Answer the prompts not answered yet (all of them on a fresh run) and return all data."""
+    data_dir = out / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    have = load_parts(data_dir)
+    done = set() if have is None else set(have.prompt_index.tolist())
+    prompts, _ = _encode_prompts(target, opts.num_prompts, opts.seed)
+    temps = _temperatures(len(prompts), opts)
+    todo = [i for i in range(len(prompts)) if i not in done]
+    if todo:
+        part = [len(list(data_dir.glob("part-*.safetensors")))]
+
+        def save(answers: list[Answer]) -> None:
+            path = data_dir / f"part-{part[0]:04d}.safetensors"
+            TeacherData.from_answers(answers, opts.teacher_top_k).save(path)
+            part[0] += 1
+
+        job = GenerationJob(
+            prompts=[prompts[i] for i in todo],
+            temperatures=[temps[i] for i in todo],
+            indices=todo,
+            max_new_tokens=opts.gen_tokens,
+            stop_ids=_stop_ids(target),
+            top_k=opts.teacher_top_k,
+            slots=opts.gen_slots,
+            seed=opts.seed + len(done),
+        )
+        generate_answers(teacher, job, deadline, save, tuner=ThreadTuner(opts.threads))
+    data = load_parts(data_dir)
+    if data is None or data.num_tokens == 0:
+        raise RuntimeError("the target produced no answers within the time budget")
+    return data
+
+
+def _split(data: TeacherData, seed: int) -> tuple[list[int], list[int]]:
+    """(train, held-out) sequence indices; held-out is ~5% of sequences, at least one."""
+    order = list(range(data.num_sequences))
+    random.Random(seed + 2).shuffle(order)
+    k = max(1, math.ceil(HELDOUT_SHARE * len(order))) if len(order) > 1 else 0
+    heldout, train = order[:k], order[k:] or order
+    return train, heldout or order[:1]
+
+
+def _special_ids(target: LoadedModel) -> list[int]:
+    tok = target.tokenizer
+    ids = set(getattr(tok, "all_special_ids", []) or []) | _stop_ids(target)
+    return sorted(int(i) for i in ids if i is not None)
+
+
+def _head_ids(out: Path, data: TeacherData, target: LoadedModel, opts: DistillOptions) -> torch.Tensor:
+    """The pruned vocabulary; a resumed run keeps the one its checkpoint was trained with."""
+    ckpt = out / "checkpoint.pt"
+    if opts.resume and ckpt.is_file():
+        payload = torch.load(ckpt, map_location="cpu", weights_only=True)
+        return torch.tensor(payload["identity"]["head_ids"], dtype=torch.int64)
+    return select_vocab(data, target.config.vocab_size, opts.vocab, _special_ids(target))
+
+
+def command_line(opts: DistillOptions) -> str:
+    """The ``keyserve distill-draft`` call that reproduces ``opts`` (non-default flags only)."""
+    parts = ["keyserve", "distill-draft"]
+    for f in fields(opts):
+        value = getattr(opts, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "out" or value != f.default:
+            if isinstance(value, bool):
+                parts += [flag] if value else []
+            else:
+                parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
+def distill_draft(opts: DistillOptions) -> Path:
+    """Run the whole pipeline; returns the draft directory."""
+    t0 = time.monotonic()
+    budget_s = opts.time_budget_min * 60.0
+    out = Path(opts.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ".gitignore").write_text(GITIGNORE)
+    if not opts.resume and ((out / "checkpoint.pt").is_file() or any((out / "data").glob("part-*"))):
+        raise ValueError(f"{out} holds an earlier run's data; pass --resume or use another --out")
+    ThreadTuner(opts.threads)
+    target = load_model(opts.target, torch.float32, "cpu")
+    teacher = DenseLlama.from_serving(target.model)
+    if opts.resume and (out / "checkpoint.pt").is_file():
+        data = load_parts(out / "data")  # training had started: the data is final
+        if data is None:
+            raise ValueError(f"{out}/checkpoint.pt exists but {out}/data/ is empty")
+    else:
+        data = _generate(target, teacher, out, opts, t0 + GEN_SHARE * budget_s)
+    gen_s = time.monotonic() - t0
+    head_ids = _head_ids(out, data, target, opts)
+    head_map = index_map(head_ids, target.config.vocab_size)
+    layer_ids = init_layer_ids(opts.init_layers, opts.layers, target.config.num_hidden_layers)
+    draft = DenseLlama.from_serving(target.model, layer_ids, head_ids, trainable=True)
+    train_seqs, heldout_seqs = _split(data, opts.seed)
+    cfg = TrainConfig(
+        max_steps=opts.steps,
+        batch_tokens=opts.batch_tokens,
+        lr=opts.lr,
+        warmup_steps=max(1, min(20, opts.steps // 10)),
+        time_budget_s=max(budget_s - (time.monotonic() - t0) - EXPORT_RESERVE_S, 1.0),
+        seed=opts.seed,
+        max_threads=opts.threads,
+    )
+    identity = {"layers": layer_ids, "head_ids": head_ids.tolist(), "target": str(target.path)}
+    result = train_draft(
+        draft, data, train_seqs, heldout_seqs, head_ids, head_map, cfg,
+        Checkpoint(out / "checkpoint.pt", identity), opts.resume,
+    )
+    meta = DraftMeta(
+        target=opts.target or DEFAULT_MODEL_NAME,
+        target_vocab_size=target.config.vocab_size,
+        hidden_size=target.config.hidden_size,
+        tokenizer_sha256=tokenizer_fingerprint(target.tokenizer),
+        shared_embeddings=True,
+        lm_head_token_ids=head_ids.tolist(),
+        embedding_checksum=embedding_checksum(target.model.model.embed_tokens.weight),
+        training=_training_record(opts, data, layer_ids, head_ids, target, result, gen_s, t0),
+    )
+    export_draft(draft, meta, out)
+    print(_summary(out, result, time.monotonic() - t0), file=sys.stderr)
+    return out
+
+
+def _training_record(
+    opts: DistillOptions,
+    data: TeacherData,
+    layer_ids: list[int],
+    head_ids: torch.Tensor,
+    target: LoadedModel,
+    result: TrainResult,
+    gen_s: float,
+    t0: float,
+) -> dict[str, Any]:
+    return {
+        "command": command_line(opts),
+        "options": asdict(opts),
+        "init_layers": layer_ids,
+        "data": {
+            "sequences": data.num_sequences,
+            "answer_tokens": data.num_tokens,
+            "prompt_tokens": int(data.prompt_tokens.numel()),
+            "teacher_top_k": int(data.topk_ids.shape[1]),
+            "vocab_coverage": coverage(data, head_ids, target.config.vocab_size),
+        },
+        "steps": result.steps,
+        "train_tokens": result.train_tokens,
+        "loss_first": result.first_loss,
+        "loss_last": result.last_loss,
+        "heldout_initial": asdict(result.initial_eval),
+        "heldout_final": asdict(result.final_eval),
+        "history": result.history,
+        "seconds": {
+            "generation_this_run": round(gen_s, 1),
+            "training_total": round(result.train_seconds, 1),
+            "wall_this_run": round(time.monotonic() - t0, 1),
+        },
+    }
+
+
+def _summary(out: Path, result: TrainResult, wall_s: float) -> str:
+    f, i = result.final_eval, result.initial_eval
+    return (
+        f"draft written to {out}: {result.steps} steps, held-out top-1 agreement "
+        f"{i.top1:.3f} -> {f.top1:.3f}, KL {i.kl:.3f} -> {f.kl:.3f}, T=1 overlap "
+        f"{f.overlap_t1:.3f}; wall {wall_s / 60:.1f} min"
+    )

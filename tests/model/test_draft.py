@@ -1,0 +1,208 @@
+"""Draft models: ``keyserve distill-draft`` end to end on stories260K, the draft loader
+(shared embeddings reattached, full-vocabulary logits that are -inf outside the pruned head,
+clear errors on mismatched targets), resuming, and the committed SmolLM2 draft (slow)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from keyserve.cli import main as cli_main
+from keyserve.draft.dense import DenseLlama
+from keyserve.draft.distill import DistillOptions, distill_draft, init_layer_ids
+from keyserve.draft.export import export_draft
+from keyserve.draft.generate import GenerationJob, generate_answers
+from keyserve.draft.records import Answer
+from keyserve.model.draft import (
+    DRAFT_META_FILE,
+    DraftError,
+    DraftMeta,
+    PrunedHeadLlama,
+    default_draft_dir,
+    load_draft,
+)
+from keyserve.model.llama import LlamaForCausalLM
+from keyserve.model.loader import LoadedModel, load_model
+from keyserve.model.testing import PagedRunner
+
+TINY = ["--num-prompts", "10", "--gen-tokens", "24", "--vocab", "200", "--batch-tokens", "256",
+        "--time-budget-min", "3"]
+
+
+def _distill(target: str, out: Path, *extra: str) -> None:
+    assert cli_main(["distill-draft", "--target", target, "--out", str(out), *TINY, *extra]) == 0
+
+
+def _meta(path: Path) -> dict:
+    return json.loads((path / DRAFT_META_FILE).read_text())
+
+
+@pytest.fixture(scope="module")
+def target(stories_path: str) -> LoadedModel:
+    return load_model(stories_path, progress=False)
+
+
+@pytest.fixture(scope="module")
+def distilled(stories_path: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("draft")
+    _distill(stories_path, out, "--steps", "20")
+    return out
+
+
+def test_distill_end_to_end_loss_decreases(distilled: Path, target: LoadedModel) -> None:
+    meta = _meta(distilled)
+    training = meta["training"]
+    assert training["steps"] == 20
+    assert training["heldout_final"]["kl"] < training["heldout_initial"]["kl"]
+    assert training["loss_last"] < training["loss_first"]
+    assert training["data"]["answer_tokens"] > 0
+    assert training["command"].startswith("keyserve distill-draft")
+    assert len(meta["lm_head_token_ids"]) == 200
+    assert {target.tokenizer.eos_token_id, target.tokenizer.bos_token_id} <= set(meta["lm_head_token_ids"])
+    assert (distilled / ".gitignore").read_text().startswith("checkpoint.pt")
+    draft = load_draft(str(distilled), target)
+    assert isinstance(draft.model, PrunedHeadLlama)
+    assert draft.config.num_hidden_layers == 2 and draft.config.vocab_size == target.config.vocab_size
+    assert draft.tokenizer is target.tokenizer
+
+
+def test_shared_embeddings_are_reattached_not_stored(distilled: Path, target: LoadedModel) -> None:
+    with safe_open(str(distilled / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" not in names and "lm_head.weight" in names
+    draft = load_draft(str(distilled), target).model
+    shared = draft.model.embed_tokens.weight
+    assert shared.data_ptr() == target.model.model.embed_tokens.weight.data_ptr()
+    assert all(p.data_ptr() != shared.data_ptr() for p in draft.parameters())
+    # A different dtype gets a converted copy of the same values.
+    bf16 = load_draft(str(distilled), target, dtype=torch.bfloat16).model
+    assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.model.embed_tokens.weight.float(), shared, atol=1e-2, rtol=1e-2)
+
+
+def test_full_vocab_logits_are_minus_inf_outside_the_head(distilled: Path, target: LoadedModel) -> None:
+    draft = load_draft(str(distilled), target).model
+    logits = PagedRunner(draft).teacher_forced({0: list(range(3, 40))}, {0: 12})[0]
+    assert logits.shape == (37, target.config.vocab_size)
+    head = torch.zeros(target.config.vocab_size, dtype=torch.bool)
+    head[draft.head_token_ids] = True
+    assert torch.isneginf(logits[:, ~head]).all()
+    assert torch.isfinite(logits[:, head]).all()
+    probs = torch.softmax(logits, -1)
+    assert (probs[:, ~head] == 0).all() and torch.allclose(probs.sum(-1), torch.ones(37))
+
+
+def test_exported_draft_equals_the_trained_model(
+    distilled: Path, target: LoadedModel, tmp_path: Path
+) -> None:
+    """Export at float32 and compare the serving model's paged logits with the dense
+    training model's on the same weights: the q/k/v, gate/up split and head rows line up."""
+    ckpt = torch.load(distilled / "checkpoint.pt", weights_only=True)
+    ids = torch.tensor(ckpt["identity"]["head_ids"])
+    dense = DenseLlama.from_serving(target.model, ckpt["identity"]["layers"], ids, trainable=True)
+    with torch.no_grad():
+        for name, p in dense.named_parameters():
+            if name in ckpt["weights"]:
+                p.copy_(ckpt["weights"][name])
+    meta = DraftMeta.read(distilled / DRAFT_META_FILE)
+    export_draft(dense, meta, tmp_path, dtype=torch.float32)
+    served = load_draft(str(tmp_path), target).model
+    toks = list(range(5, 45))
+    paged = PagedRunner(served).teacher_forced({0: toks}, {0: 9})[0]
+    with torch.no_grad():
+        ref = dense.logits(dense(torch.tensor([toks]), torch.arange(len(toks))[None]))[0]
+    torch.testing.assert_close(paged[:, ids], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_resume_continues_from_the_checkpoint(stories_path: str, tmp_path: Path) -> None:
+    _distill(stories_path, tmp_path, "--steps", "6")
+    first = _meta(tmp_path)["training"]
+    parts = sorted((tmp_path / "data").glob("part-*"))
+    with pytest.raises(ValueError, match="--resume"):  # refuses to overwrite without --resume
+        distill_draft(DistillOptions(out=str(tmp_path), target=stories_path))
+    _distill(stories_path, tmp_path, "--steps", "12", "--resume")
+    second = _meta(tmp_path)["training"]
+    assert sorted((tmp_path / "data").glob("part-*")) == parts  # no data regenerated
+    assert second["steps"] == 12 and first["steps"] == 6
+    assert second["loss_first"] == first["loss_first"]  # the same run, continued
+    assert second["heldout_initial"] == first["heldout_initial"]
+    assert second["train_tokens"] > first["train_tokens"]
+
+
+def test_plain_hf_directory_drafts_for_itself(stories_path: str, target: LoadedModel) -> None:
+    draft = load_draft(stories_path, target)
+    assert type(draft.model) is LlamaForCausalLM and draft.tokenizer is target.tokenizer
+    toks = {0: list(range(3, 30))}
+    ours = PagedRunner(draft.model).teacher_forced(toks, {0: 5})[0]
+    ref = PagedRunner(target.model).teacher_forced(toks, {0: 5})[0]
+    torch.testing.assert_close(ours, ref)
+
+
+def test_mismatched_targets_are_refused(distilled: Path, target: LoadedModel, tmp_path: Path) -> None:
+    other_vocab = dataclasses.replace(target, config=dataclasses.replace(target.config, vocab_size=1024))
+    with pytest.raises(DraftError, match="vocab"):
+        load_draft(str(distilled), other_vocab)
+    copy = tmp_path / "draft"
+    shutil.copytree(distilled, copy, ignore=shutil.ignore_patterns("data", "checkpoint.pt"))
+    meta = _meta(copy)
+    meta["tokenizer_sha256"] = "0" * 64
+    (copy / DRAFT_META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(DraftError, match="tokenizer"):
+        load_draft(str(copy), target)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_draft(str(tmp_path / "nowhere"), target)
+
+
+def test_generation_records_the_target_distribution(target: LoadedModel) -> None:
+    """Slots are refilled as answers finish; every recorded top-k row equals the serving
+    model's log-softmax at that position, and greedy answers equal its greedy decoding."""
+    tok = target.tokenizer
+    prompts = [[tok.bos_token_id] + tok.encode(t) for t in
+               ["Once upon a time", "Tom had a dog", "The sun", "Lily saw a big", "One day"]]
+    job = GenerationJob(prompts, [0.0, 1.0, 0.0, 1.0, 0.0], list(range(5)), 12, set(), top_k=8, slots=2)
+    answers: list[Answer] = []
+    generate_answers(DenseLlama.from_serving(target.model), job, float("inf"), answers.extend)
+    assert sorted(a.prompt_index for a in answers) == list(range(5))
+    runner = PagedRunner(target.model)
+    for a in answers:
+        seq = a.prompt + a.tokens
+        logits = runner.teacher_forced({a.prompt_index: seq}, {a.prompt_index: len(a.prompt)})
+        lp = torch.log_softmax(logits[a.prompt_index][len(a.prompt) - 1 : -1], -1)
+        torch.testing.assert_close(a.topk_logprobs.float(), lp.topk(8).values, atol=2e-3, rtol=1e-3)
+        assert (a.topk_ids[:, 0].long() == lp.argmax(-1)).all()
+        if job.temperatures[a.prompt_index] == 0.0:
+            assert a.tokens == runner.greedy(a.prompt, 12, seq_id=100 + a.prompt_index)
+        runner.free_seq(a.prompt_index)
+
+
+def test_init_layers_default_to_first_and_last() -> None:
+    assert init_layer_ids(None, 2, 30) == [0, 29]
+    assert init_layer_ids(None, 3, 30) == [0, 15, 29]
+    assert init_layer_ids("3,4", 2, 30) == [3, 4]
+    with pytest.raises(ValueError):
+        init_layer_ids("3", 2, 30)
+
+
+@pytest.mark.slow
+def test_committed_smollm2_draft_loads_and_is_small() -> None:
+    path = default_draft_dir()
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    assert size <= 25 * 1000 * 1000, f"{path} holds {size / 1e6:.1f} MB"
+    target = load_model(None, progress=False)
+    draft = load_draft("default", target)
+    assert isinstance(draft.model, PrunedHeadLlama) and draft.model.shares_embeddings
+    prompt = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    greedy = PagedRunner(target.model).greedy(prompt, 24, stop_token_ids=[target.tokenizer.eos_token_id])
+    seq = prompt + greedy
+    logits = PagedRunner(draft.model).teacher_forced({0: seq}, {0: len(seq)})[0]
+    agree = (logits[len(prompt) - 1 : -1].argmax(-1) == torch.tensor(greedy)).float().mean()
+    assert agree > 0.4, f"draft agrees with the target's greedy tokens only {agree:.0%} of the time"
