@@ -15,6 +15,7 @@ with ``serve.ingress`` (the FastAPI app is built on the replica, after the engin
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from pydantic import Field
@@ -22,6 +23,7 @@ from pydantic import Field
 from keyserve.config import ServeConfig
 
 log = logging.getLogger(__name__)
+API_KEY_ENV = "KEYSERVE_API_KEY"  # the replica's API key when args give none
 
 
 class ServeArgs(ServeConfig):
@@ -43,12 +45,15 @@ class ServeArgs(ServeConfig):
 
 class KeyserveDeployment:
     """One replica: an AsyncLLMEngine (the model loads before the replica reports ready) and
-    the OpenAI FastAPI app over it. Undecorated: ``build_app`` makes it a deployment."""
+    the OpenAI FastAPI app over it. Undecorated: ``build_app`` makes it a deployment. Without
+    ``api_key`` in its args it takes the key from ``$KEYSERVE_API_KEY``, if set."""
 
     async def __init__(self, args: dict[str, Any]) -> None:
         from keyserve.cluster.openai_serving import OpenAIServing
 
         config = ServeArgs.model_validate(args).serve_config()
+        if config.api_key is None and os.environ.get(API_KEY_ENV):  # e.g. from a k8s Secret
+            config = config.model_copy(update={"api_key": os.environ[API_KEY_ENV]})
         self.serving = OpenAIServing.from_config(config)
         await self.serving.engine.wait_ready()
         log.info("keyserve replica ready: %s", self.serving.model_name)

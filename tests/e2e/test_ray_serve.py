@@ -1,0 +1,110 @@
+"""The app on real Ray Serve: ``build_app`` (with the example config's args) + ``serve.run``,
+driven by the ``openai`` client; one local Ray (2 CPUs, small object store) for the module."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from keyserve.cluster.launcher import free_port
+from keyserve.cluster.serve_app import ServeArgs, build_app
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own pydantic use
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve_config.yaml"
+KEY = "sk-serve-test"
+
+
+def example_app() -> dict:
+    [app] = yaml.safe_load(EXAMPLE.read_text())["applications"]
+    return app
+
+
+def test_example_config_is_valid() -> None:
+    app = example_app()
+    assert app["import_path"] == "keyserve.cluster.serve_app:build_app"
+    args = ServeArgs.model_validate(app["args"])
+    assert args.tp == 1 and args.engine_config().scheduler.max_num_seqs == app["args"]["max_num_seqs"]
+
+
+def test_build_app_validates_its_args() -> None:
+    with pytest.raises(ValidationError, match="tensor-parallel"):
+        build_app({"tp": 2})
+    with pytest.raises(ValidationError, match="max_num_sequences"):
+        build_app({"max_num_sequences": 8})  # misspelt
+    with pytest.raises(ValidationError, match="num_cpus"):
+        build_app({"num_cpus": 0})
+
+
+@pytest.fixture(scope="module")
+def serve_url(stories_path: str):
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    port = free_port()
+    ray.init(address="local", num_cpus=2, object_store_memory=200 * 1024 * 1024, include_dashboard=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = {**example_app()["args"], "model": stories_path, "num_blocks": 256, "api_key": KEY}
+        serve.run(build_app(args), name="keyserve", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def metrics(url: str) -> dict[str, float]:
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for s in family.samples:
+            out[s.name + (f"{{{s.labels['finished_reason']}}}" if "finished_reason" in s.labels else "")] = s.value
+    return out
+
+
+def test_openai_client_through_ray_serve(serve_url: str) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=serve_url + "/v1", api_key=KEY, max_retries=0)
+    [model] = [m.id for m in client.models.list().data]
+    out = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0)
+    assert out.choices[0].text and out.usage.completion_tokens == 12
+    chunks = list(client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_errors_health_and_metrics_through_ray_serve(serve_url: str) -> None:
+    r = httpx.post(serve_url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(serve_url + "/v1/completions", json={"prompt": [5] * 600},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 400 and "600" in r.json()["error"]["message"]
+    assert httpx.get(serve_url + "/health", timeout=30).json() == {"status": "ok"}
+    m = metrics(serve_url)
+    assert m["keyserve:request_success_total{length}"] >= 1
+    assert "keyserve:time_to_first_token_seconds_count" in m
+
+
+def test_disconnect_through_ray_serve_aborts(serve_url: str) -> None:
+    aborted = metrics(serve_url).get("keyserve:request_success_total{abort}", 0.0)
+    body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", serve_url + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.monotonic() + 30
+    while True:
+        m = metrics(serve_url)
+        idle = m["keyserve:num_requests_running"] == 0 and m["keyserve:kv_cache_usage_perc"] == 0.0
+        if idle and m.get("keyserve:request_success_total{abort}", 0.0) == aborted + 1:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.2)
