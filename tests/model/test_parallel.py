@@ -34,7 +34,7 @@ def test_mlp_shards_sum_to_full() -> None:
         for r in range(2)
     ]
     x = torch.randn(5, 64)
-    with torch.no_grad():
+    with torch.inference_mode():
         torch.testing.assert_close(sum(s(x) for s in shards), full(x), atol=1e-5, rtol=1e-5)
 
 
@@ -49,7 +49,7 @@ def test_attention_shards_sum_to_full() -> None:
         layer = model.model.layers[0]
         h = model.model.embed_tokens(ids)
         cos, sin = model.model.rotary(pos, h.dtype)
-        with torch.no_grad():
+        with torch.inference_mode():  # as PagedRunner.step and the engine run
             return layer.self_attn(layer.input_layernorm(h), cos, sin, runner.kv_caches[0], meta)
 
     full = attn_out(ours_from_hf(hf))
