@@ -91,6 +91,7 @@ class DenseLayer(nn.Module):
         self.o = _param(tensors["o"], trainable)  # [hidden, hq * d]
         self.gate_up = _param(tensors["gate_up"], trainable)  # [2 * inter, hidden]
         self.down = _param(tensors["down"], trainable)  # [hidden, inter]
+        self.dropout = 0.0  # on both residual branches while training (small data overfits)
 
     def forward(
         self,
@@ -113,9 +114,9 @@ class DenseLayer(nn.Module):
         else:
             out = _cached_attention(q, k, v, cache, positions, rows)
         attn = F.linear(out.transpose(1, 2).reshape(b, t, hq * d), self.o)
-        h = h + attn
+        h = h + F.dropout(attn, self.dropout, self.training)
         gate, up = F.linear(self.post_attention_layernorm(h), self.gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down)
+        return h + F.dropout(F.linear(F.silu(gate) * up, self.down), self.dropout, self.training)
 
 
 def _cached_attention(
@@ -198,6 +199,10 @@ class DenseLlama(nn.Module):
         elif not c.tie_word_embeddings:
             head = model.lm_head_weight
         return cls(c, model.model.embed_tokens.weight, tensors, model.model.norm.weight, head, trainable)
+
+    def set_dropout(self, p: float) -> None:
+        for layer in self.layers:
+            layer.dropout = p
 
     def forward(
         self,

@@ -35,6 +35,7 @@ class TrainConfig:
     eval_every_s: float = 120.0
     checkpoint_every_s: float = 180.0
     eval_tokens: int = 4096
+    dropout: float = 0.1
     seed: int = 0
     max_threads: int = 2
 
@@ -55,7 +56,8 @@ class TrainResult:
     first_loss: float
     last_loss: float
     initial_eval: EvalStats
-    final_eval: EvalStats
+    final_eval: EvalStats  # of the weights kept (the best held-out evaluation)
+    kept_step: int
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -72,6 +74,15 @@ def _step_loss(model: DenseLlama, batch: Batch) -> tuple[torch.Tensor, torch.Ten
 
 @torch.no_grad()
 def evaluate(model: DenseLlama, batches: list[Batch], head_ids: torch.Tensor) -> EvalStats:
+    was_training = model.training
+    model.eval()
+    try:
+        return _evaluate(model, batches, head_ids)
+    finally:
+        model.train(was_training)
+
+
+def _evaluate(model: DenseLlama, batches: list[Batch], head_ids: torch.Tensor) -> EvalStats:
     kl = top1 = ov = 0.0
     n = 0
     for batch in batches:
@@ -106,8 +117,41 @@ def _lr_factor(step: int, progress: float, cfg: TrainConfig) -> float:
     return warm * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
 
 
+class Best:
+    """The held-out best weights so far: with little data the draft overfits, so the exported
+    draft is the evaluation with the highest top-1 agreement (lower KL breaks ties)."""
+
+    def __init__(self) -> None:
+        self.stats: EvalStats | None = None
+        self.step = 0
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def offer(self, model: DenseLlama, stats: EvalStats, step: int) -> None:
+        if self.stats is None or (stats.top1, -stats.kl) > (self.stats.top1, -self.stats.kl):
+            self.stats, self.step = stats, step
+            self.weights = {n: p.detach().clone() for n, p in _trainable(model).items()}
+
+    def restore(self, model: DenseLlama) -> None:
+        params = _trainable(model)
+        with torch.no_grad():
+            for name, tensor in self.weights.items():
+                params[name].copy_(tensor)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"stats": None if self.stats is None else asdict(self.stats), "step": self.step,
+                "weights": self.weights}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Best:
+        best = cls()
+        best.stats = None if raw["stats"] is None else EvalStats(**raw["stats"])
+        best.step, best.weights = raw["step"], raw["weights"]
+        return best
+
+
 class Checkpoint:
-    """``checkpoint.pt``: trainable weights, optimiser, schedule and data-order state.
+    """``checkpoint.pt``: trainable weights, optimiser, schedule and data-order state, and the
+    best weights so far.
 
     Written to a temp file and renamed; read back with ``weights_only=True`` (tensors and plain
     values only, nothing that can run code)."""
@@ -116,30 +160,46 @@ class Checkpoint:
         self.path = path
         self.identity = identity  # settings a resumed run must share (layers, vocabulary, ...)
 
-    def save(self, model: DenseLlama, opt: torch.optim.Optimizer, state: dict[str, object]) -> None:
+    def save(
+        self, model: DenseLlama, opt: torch.optim.Optimizer, state: dict[str, object], best: Best
+    ) -> None:
         payload = {
             "identity": self.identity,
             "weights": {n: p.detach() for n, p in _trainable(model).items()},
             "optimizer": opt.state_dict(),
             "state": state,
+            "best": best.to_dict(),
         }
         tmp = self.path.with_suffix(".tmp")
         torch.save(payload, tmp)
         tmp.replace(self.path)
 
-    def load(self, model: DenseLlama, opt: torch.optim.Optimizer) -> dict[str, object]:
+    def load(self, model: DenseLlama, opt: torch.optim.Optimizer) -> tuple[dict, Best]:
         payload = torch.load(self.path, map_location="cpu", weights_only=True)
         if payload["identity"] != self.identity:
             raise ValueError(
-                f"{self.path} was written by a run with different settings "
-                f"({payload['identity']} vs {self.identity}); use another --out or drop --resume"
+                f"{self.path} was written by a run with different settings; use another --out "
+                "or drop --resume"
             )
         params = _trainable(model)
         with torch.no_grad():
             for name, tensor in payload["weights"].items():
                 params[name].copy_(tensor)
         opt.load_state_dict(payload["optimizer"])
-        return payload["state"]
+        return payload["state"], Best.from_dict(payload["best"])
+
+
+def _train_step(
+    model: DenseLlama, opt: torch.optim.Optimizer, batch: Batch, lr: float, clip: float
+) -> float:
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss, _ = _step_loss(model, batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip)
+    opt.step()
+    return float(loss.detach())
 
 
 def train_draft(
@@ -153,18 +213,23 @@ def train_draft(
     checkpoint: Checkpoint,
     resume: bool,
 ) -> TrainResult:
-    """Train ``model`` in place; returns loss and held-out agreement before and after."""
+    """Train ``model``; on return it holds the best held-out weights seen. Returns losses and
+    held-out agreement before training and of the weights kept."""
     tuner = ThreadTuner(cfg.max_threads)
-    params = list(_trainable(model).values())
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    model.set_dropout(cfg.dropout)
+    model.train()
+    opt = torch.optim.AdamW(list(_trainable(model).values()), lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=0.0)
     heldout = eval_batches(data, heldout_seqs, head_map, cfg)
     state: dict = {"step": 0, "elapsed": 0.0, "epoch": 0, "pos": 0, "tokens": 0, "history": []}
+    best = Best()
     if resume and checkpoint.path.is_file():
-        state = checkpoint.load(model, opt)
+        state, best = checkpoint.load(model, opt)
         initial = EvalStats(**state["initial_eval"])
     else:
         initial = evaluate(model, heldout, head_ids)
         state["initial_eval"] = asdict(initial)
+        best.offer(model, initial, 0)
     last_eval = initial
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="distil draft", unit="step",
                dynamic_ncols=True)
@@ -173,8 +238,7 @@ def train_draft(
     start = time.monotonic() - state["elapsed"]
     last_eval_t = last_ckpt_t = time.monotonic()
     while True:
-        elapsed = time.monotonic() - start
-        progress = max(state["step"] / cfg.max_steps, elapsed / cfg.time_budget_s)
+        progress = max(state["step"] / cfg.max_steps, (time.monotonic() - start) / cfg.time_budget_s)
         if progress >= 1.0:
             break
         if state["pos"] >= len(plan):
@@ -182,15 +246,8 @@ def train_draft(
             plan = plan_batches(data, train_seqs, cfg.batch_tokens, random.Random(cfg.seed + state["epoch"]))
         batch = make_batch(data, plan[state["pos"]], head_map)
         lr = cfg.lr * _lr_factor(state["step"], progress, cfg)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss, _ = _step_loss(model, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        value = float(loss.detach())
-        state["first_loss"] = state.get("first_loss", value)
+        value = _train_step(model, opt, batch, lr, cfg.grad_clip)
+        state.setdefault("first_loss", value)
         ema = value if ema is None else 0.9 * ema + 0.1 * value
         state["step"] += 1
         state["pos"] += 1
@@ -198,22 +255,25 @@ def train_draft(
         state["elapsed"] = time.monotonic() - start
         state["last_loss"] = value
         tuner.maybe_retune()
-        now = time.monotonic()
-        if now - last_eval_t > cfg.eval_every_s:
+        if time.monotonic() - last_eval_t > cfg.eval_every_s:
             last_eval = evaluate(model, heldout, head_ids)
+            best.offer(model, last_eval, state["step"])
             state["history"].append({"step": state["step"], "loss": ema, **asdict(last_eval)})
             last_eval_t = time.monotonic()
         bar.update(1)
-        bar.set_postfix(loss=f"{ema:.3f}", top1=f"{last_eval.top1:.3f}", lr=f"{lr:.1e}",
+        bar.set_postfix(loss=f"{ema:.3f}", top1=f"{last_eval.top1:.3f}",
+                        best=f"{best.stats.top1:.3f}" if best.stats else "-", lr=f"{lr:.1e}",
                         ep=state["epoch"], thr=tuner.threads)
-        if now - last_ckpt_t > cfg.checkpoint_every_s:
-            checkpoint.save(model, opt, state)
+        if time.monotonic() - last_ckpt_t > cfg.checkpoint_every_s:
+            checkpoint.save(model, opt, state, best)
             last_ckpt_t = time.monotonic()
     bar.close()
     final = evaluate(model, heldout, head_ids)
+    best.offer(model, final, state["step"])
     state["history"].append({"step": state["step"], "loss": ema or 0.0, **asdict(final)})
-    state["final_eval"] = asdict(final)
-    checkpoint.save(model, opt, state)
+    state["kept_step"] = best.step
+    checkpoint.save(model, opt, state, best)
+    best.restore(model)
     return TrainResult(
         steps=state["step"],
         train_seconds=state["elapsed"],
@@ -221,6 +281,7 @@ def train_draft(
         first_loss=state.get("first_loss", float("nan")),
         last_loss=state.get("last_loss", float("nan")),
         initial_eval=initial,
-        final_eval=final,
+        final_eval=best.stats or final,
+        kept_step=best.step,
         history=state["history"],
     )
