@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -76,6 +77,12 @@ def run_uvicorn(args: ServeArgs, host: str, port: int) -> None:
 
 
 def _block_then(cleanup) -> None:
+    """Sleep until Ctrl-C or SIGTERM, then clean up (Ray's local processes included)."""
+
+    def stop(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         while True:
             time.sleep(3600)
