@@ -1,0 +1,151 @@
+"""Speculative sampling in the engine (stories260K target, a perturbed copy as the draft):
+greedy output equals the target alone for every K, the sampled distribution equals the
+target's, and both caches roll back to exactly the accepted tokens."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from scipy.stats import chi2_contingency
+
+from keyserve import LLM, SamplingParams
+from keyserve.core.scheduler import ScheduledSeq, StepPlan
+from keyserve.kernels.reference import gather_kv
+
+WORDS = "once upon a time there was a little girl named lily she loved to play outside in the park".split()
+
+
+@pytest.fixture(scope="module")
+def draft_dir(stories_path: str, tmp_path_factory) -> str:
+    """A real draft on disk: stories260K with its layers perturbed, so it disagrees sometimes."""
+    out = tmp_path_factory.mktemp("draft")
+    for f in Path(stories_path).iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    weights = load_file(str(Path(stories_path) / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    noisy = {
+        k: (v + 0.03 * torch.randn(v.shape, generator=gen) if "layers" in k else v).contiguous()
+        for k, v in weights.items()
+    }
+    save_file(noisy, str(out / "model.safetensors"))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def target(stories_path: str) -> LLM:
+    return LLM(stories_path, num_blocks=400)
+
+
+@pytest.fixture(scope="module")
+def speculative(stories_path: str, draft_dir: str) -> LLM:
+    return LLM(stories_path, num_blocks=400, draft=draft_dir, num_speculative_tokens=4)
+
+
+def _prompts(count: int) -> list[str]:
+    rng = random.Random(1)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40))) for _ in range(count)]
+
+
+def test_greedy_equals_target_for_every_k(target: LLM, speculative: LLM) -> None:
+    prompts = _prompts(20)
+    lengths = [20 + (i * 5) % 30 for i in range(20)]
+    alone = target.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
+    for k in range(1, 9):
+        params = [
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, num_speculative_tokens=k)
+            for n in lengths
+        ]
+        outs = speculative.generate(prompts, params)
+        for a, b in zip(alone, outs):
+            assert b.token_ids == a.token_ids, f"K={k}"
+        rates = [o.stats.spec_acceptance_rate for o in outs]
+        assert 0.0 < sum(rates) / len(rates) < 1.0  # some drafts rejected, some accepted
+    engine = speculative.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    drafter = engine.spec.drafter
+    assert drafter.block_manager.num_free_blocks == drafter.block_manager.num_blocks
+    assert not drafter.mirrors
+
+
+def test_stop_inside_an_accepted_run(target: LLM, speculative: LLM) -> None:
+    prompt = "once upon a time"
+    [free] = target.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    stop_token = free.token_ids[7]
+    params = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop_token], num_speculative_tokens=6)
+    [spec] = speculative.generate(prompt, params)
+    assert spec.token_ids == free.token_ids[: free.token_ids.index(stop_token) + 1]
+    [short] = speculative.generate(prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                          num_speculative_tokens=8))
+    assert short.token_ids == free.token_ids[:5]
+
+
+def test_sampled_distribution_equals_target(target: LLM, speculative: LLM) -> None:
+    """Second and third tokens (the first ones speculation produces) have the same frequencies
+    with and without speculation: a chi-square contingency test."""
+
+    def sample(llm: LLM, spec: bool) -> tuple[Counter, Counter]:
+        second, third = Counter(), Counter()
+        params = [
+            SamplingParams(n=64, max_tokens=3, temperature=1.0, seed=1000 * spec + i, ignore_eos=True,
+                           speculative=spec, num_speculative_tokens=2)
+            for i in range(40)
+        ]
+        for out in llm.generate(["once upon a time there was"] * 40, params):
+            for o in out.outputs:
+                second[o.token_ids[1]] += 1
+                third[o.token_ids[2]] += 1
+        return second, third
+
+    plain = sample(target, False)
+    spec = sample(speculative, True)
+    assert speculative.engine.spec.stats.num_draft_tokens > 0
+    for a, b in zip(plain, spec):
+        common = [t for t in set(a) | set(b) if a[t] + b[t] >= 20]
+        table = [[a[t] for t in common] + [sum(a.values()) - sum(a[t] for t in common)],
+                 [b[t] for t in common] + [sum(b.values()) - sum(b[t] for t in common)]]
+        if table[0][-1] + table[1][-1] == 0:
+            table = [row[:-1] for row in table]
+        assert chi2_contingency(table).pvalue > 1e-3
+
+
+def _cached_kv(llm: LLM, seq, num: int, draft: bool = False) -> list[torch.Tensor]:
+    runner = llm.engine.spec.drafter.runner if draft else llm.engine.runner
+    table = torch.tensor([seq.block_table], dtype=torch.int32)
+    return [torch.cat([gather_kv(k, table, num), gather_kv(v, table, num)]) for k, v in runner.kv_caches]
+
+
+def test_rollback_leaves_exactly_the_accepted_kv(speculative: LLM, stories_path: str, draft_dir: str) -> None:
+    engine = speculative.engine
+    rid = engine.add_request("lily and ben went to the park", SamplingParams(max_tokens=40, temperature=0.8, seed=5,
+                                                                             ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    seq = engine.requests[rid].seqs[0]
+    mirror = engine.spec.drafter.mirrors[seq.seq_id]
+    assert engine.spec.request_stats[rid].num_rejections > 0 or engine.spec.request_stats[rid].num_accepted_tokens > 0
+    n_target, n_draft = seq.num_computed_tokens, mirror.num_computed_tokens
+    got_target = _cached_kv(speculative, seq, n_target)
+    got_draft = _cached_kv(speculative, mirror, n_draft, draft=True)
+    assert len(seq.block_table) == -(-max(n_target, 1) // 16) or len(seq.block_table) == -(-(n_target + 1) // 16)
+    for fresh_path, tokens, got in ((stories_path, seq.token_ids[:n_target], got_target),
+                                     (draft_dir, mirror.token_ids[:n_draft], got_draft)):
+        fresh = LLM(fresh_path, num_blocks=64, enable_prefix_caching=False)
+        fe = fresh.engine
+        fid = fe.add_request(tokens, SamplingParams(max_tokens=1), prompt_token_ids=tokens)
+        fseq = fe.requests[fid].seqs[0]
+        plan = fe.scheduler.schedule()
+        fe.runner.execute(plan, [], {})
+        want = _cached_kv(fresh, fseq, len(tokens))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    engine.abort(rid)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    drafter = engine.spec.drafter
+    assert drafter.block_manager.num_free_blocks == drafter.block_manager.num_blocks
