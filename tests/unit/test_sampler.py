@@ -112,11 +112,6 @@ def test_masks_match_per_row_reference(seed: int) -> None:
         assert torch.allclose(out[r, idx], logits[r, idx] / p.temperature)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sampler bug: with top-k/top-p active in the batch, float32 mass_before reaches "
-    "top_p=1.0 on peaked rows and drops their tail tokens; top_p == 1 should disable top-p",
-)
 def test_top_p_one_keeps_the_tail_of_a_peaked_row() -> None:
     """Rows without top-p must not lose their far tail when another row of the batch uses
     top-k/top-p (float32 cumulative sums reach 1.0 early on peaked distributions)."""
@@ -228,12 +223,6 @@ def test_sampling_tensors_flags_and_expand() -> None:
     assert not plain.any_top_k_top_p and not plain.any_min_p
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sampler bug: a positive temperature in float32's denormal range (e.g. 1e-40) "
-    "passes validation, turns logits into inf and probabilities into NaN, and token 0 is "
-    "sampled; tiny temperatures should act as greedy (or be rejected)",
-)
 def test_tiny_positive_temperature_behaves_like_greedy() -> None:
     torch.manual_seed(0)
     logits = torch.randn(4, 10) * 3

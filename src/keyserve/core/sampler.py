@@ -16,6 +16,9 @@ import torch
 from keyserve.core.sampling_params import SamplingParams
 
 _MASKED = float("-inf")
+# Temperatures below this act as greedy: dividing logits by a denormal temperature overflows to
+# inf and the softmax turns into NaN.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -41,7 +44,7 @@ class SamplingTensors:
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
             top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
             min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
-            all_greedy=all(t == 0.0 for t in temps),
+            all_greedy=all(t < GREEDY_BELOW for t in temps),
             any_top_k_top_p=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
             any_min_p=any(m > 0.0 for m in min_p),
         )
@@ -60,7 +63,7 @@ def processed_logits(
     st: SamplingTensors,
 ) -> torch.Tensor:  # [num_rows, vocab] float32, masked tokens = -inf
     """Temperature, then top-k, top-p and min-p masks. Greedy rows are returned unscaled."""
-    greedy = st.temperature == 0.0
+    greedy = st.temperature < GREEDY_BELOW
     temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
     out = logits / temp[:, None]
     if st.any_top_k_top_p:
@@ -85,7 +88,8 @@ def _apply_top_k_top_p(
     sorted_logits = sorted_logits.masked_fill(drop, _MASKED)
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop = mass_before >= top_p[:, None]
+    # Rows with top_p == 1 keep everything (float32 cumsums can reach 1.0 before the tail).
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     drop[:, 0] = False  # always keep the most likely token
     sorted_logits = sorted_logits.masked_fill(drop, _MASKED)
     return torch.full_like(logits, _MASKED).scatter(-1, order, sorted_logits)
@@ -97,7 +101,7 @@ def processed_probs(
 ) -> torch.Tensor:  # [num_rows, vocab] float32
     """The distribution each row samples from; greedy rows are one-hot on the argmax."""
     probs = torch.softmax(processed_logits(logits, st), dim=-1)
-    greedy = st.temperature == 0.0
+    greedy = st.temperature < GREEDY_BELOW
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
@@ -128,7 +132,7 @@ def sample(
         probs = torch.softmax(processed_logits(logits, st), dim=-1)
         noise = exponential_noise(logits.shape[0], logits.shape[1], generators, logits.device)
         sampled = (probs / noise).argmax(dim=-1)
-        tokens = torch.where(st.temperature == 0.0, logits.argmax(dim=-1), sampled)
+        tokens = torch.where(st.temperature < GREEDY_BELOW, logits.argmax(dim=-1), sampled)
     logprobs = None
     if want_logprobs:
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]

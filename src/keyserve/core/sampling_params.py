@@ -83,7 +83,7 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < 1e-5  # see core.sampler.GREEDY_BELOW
 
     def budget_tokens(self, prompt_len: int) -> int | None:
         """The budget k in tokens for a prompt of ``prompt_len`` tokens, or None (no budget)."""
