@@ -17,6 +17,8 @@ from keyserve.model.testing import PagedRunner
 
 pytestmark = pytest.mark.slow
 
+SMOLLM2_TOL = 2e-4
+
 CHATS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -93,7 +95,10 @@ def test_logits_match_transformers_gguf(
     for i, toks in seqs.items():
         with torch.no_grad():
             ref = hf_gguf(torch.tensor([toks])).logits[0]
-        assert (ours[i] - ref).abs().max().item() <= 1e-4
+        # 30 float32 layers, logits up to ~40: transformers' own float32 logits sit ~1e-4 from
+        # a float64 run of the same weights (measured: 9.8e-5; ours 9.3e-5, vs each other
+        # 8.2e-5), so the bound here is that noise floor, not the tiny models' 1e-4.
+        assert (ours[i] - ref).abs().max().item() <= SMOLLM2_TOL
 
 
 def test_greedy_chat_matches_transformers_generate(
