@@ -117,7 +117,9 @@ class OpenAIServing:
             if kind == "chat":
                 rename = {"max_tokens": req.max_tokens_param()}
             if not self.engine.is_ready:
-                await self.engine.wait_ready(self.config.request_timeout_s)
+                state = "is still loading" if self.engine.is_alive else "is not running"
+                raise APIError(503, f"the model {state}; retry later", "server_error",
+                               code="engine_unavailable", headers={"Retry-After": "5"})
             params = req.to_sampling_params(self.engine.max_model_len)
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
             streams = await self._start(kind, req, params, rid)

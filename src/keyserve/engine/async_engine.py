@@ -349,7 +349,7 @@ class AsyncLLMEngine:
             return
         self._publish_stats()
         self._ready.set()
-        failures = 0
+        failures = stalled = 0
         try:
             while not self._stopping:
                 self._wake.clear()
@@ -367,10 +367,12 @@ class AsyncLLMEngine:
                     if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         raise
                     continue
-                if not outputs and not self.engine.scheduler.running:
+                # Two empty steps with nothing running: what waits can never be admitted.
+                stalled = stalled + 1 if not outputs and not self.engine.scheduler.running else 0
+                if stalled >= 2:
                     self._fail_unschedulable()
+                    stalled = 0
                 self._deliver(outputs)
-                self._publish_stats()
         except BaseException as e:  # noqa: BLE001
             log.exception("engine thread died")
             self._dead = e
@@ -407,12 +409,11 @@ class AsyncLLMEngine:
 
     def _abort_now(self, request_id: str) -> None:
         out = self.engine.abort(request_id)
-        if out is not None:
-            self._deliver([out])
-        self._publish_stats()
+        self._deliver([out] if out is not None else [])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their event loops: one wake-up per loop per step."""
+        """Publish the stats, then hand a step's outputs to their event loops: one wake-up per
+        loop per step. (Stats first: whoever sees a request finish sees its blocks freed.)"""
         by_loop: dict[asyncio.AbstractEventLoop, list[RequestOutput]] = {}
         for out in outputs:
             loop = self._loops.get(out.request_id)
@@ -424,6 +425,7 @@ class AsyncLLMEngine:
                 c.generation_tokens += out.stats.generated_tokens
             if loop is not None:
                 by_loop.setdefault(loop, []).append(out)
+        self._publish_stats()
         for loop, outs in by_loop.items():
             try:
                 loop.call_soon_threadsafe(self._on_outputs, outs)
@@ -434,24 +436,33 @@ class AsyncLLMEngine:
 
     def _fail_all(self, error: BaseException, abort: bool = True) -> None:
         """Abort every request in flight and raise ``error`` in their streams."""
-        for rid, loop in list(self._loops.items()):
+        doomed = list(self._loops.items())
+        for rid, _ in doomed:
             if abort and self.engine is not None:
                 try:
                     self.engine.abort(rid)
                 except Exception:  # noqa: BLE001
                     log.exception("abort of %s failed", rid)
+        if self.engine is not None:
+            try:
+                self._publish_stats()
+            except Exception:  # noqa: BLE001 — the engine may be broken; the errors must still go out
+                log.exception("stats after a failure")
+        for rid, loop in doomed:
             self._fail(rid, loop, error)
 
     def _fail_unschedulable(self) -> None:
         """Nothing runs and nothing could be scheduled: the waiting requests can never fit."""
-        for seq in list(self.engine.scheduler.waiting):
-            rid = seq.request_id
-            loop = self._loops.get(rid)
+        doomed = {s.request_id: self._loops.get(s.request_id) for s in self.engine.scheduler.waiting}.items()
+        for rid, _ in doomed:
             self.engine.abort(rid)
+        self._publish_stats()
+        bm = self.engine.block_manager
+        for rid, loop in doomed:
             if loop is not None:
                 self._fail(rid, loop, ValueError(
-                    f"request {rid} cannot be scheduled: it needs more KV blocks or batched "
-                    "tokens than the engine has"
+                    f"request {rid} cannot be scheduled: it needs more KV blocks than the pool "
+                    f"holds ({bm.num_blocks} blocks of {bm.block_size} tokens)"
                 ))
 
     def _fail(self, rid: str, loop: asyncio.AbstractEventLoop, error: BaseException) -> None:
