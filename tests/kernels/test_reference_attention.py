@@ -105,3 +105,20 @@ def test_fast_cpu_path_equals_explicit_logits(window):
         explicit, _ = paged_decode_attention_reference(*args, score_mode="softmax")
         torch.testing.assert_close(fast, explicit, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(fast, dense_decode(case, q, 0.125, window), atol=1e-5, rtol=1e-5)
+
+
+def test_fast_cpu_path_on_a_non_contiguous_cache():
+    """A cache that is a strided view (padded head_dim) takes the token-major gather."""
+    case = make_case([7, 30], 8, 2, 16, seed=9)
+    padded_k = torch.zeros(*case.k_cache.shape[:3], 24)
+    padded_v = torch.zeros(*case.v_cache.shape[:3], 24)
+    padded_k[..., :16], padded_v[..., :16] = case.k_cache, case.v_cache
+    q = torch.randn(2, 4, 16)
+    args = (case.block_tables, case.context_lens, 0.25)
+    out, _ = paged_decode_attention_reference(q, padded_k[..., :16], padded_v[..., :16], *args)
+    torch.testing.assert_close(out, dense_decode(case, q, 0.25), atol=1e-5, rtol=1e-5)
+    starts = torch.tensor([0, 3, 5], dtype=torch.int32)
+    qp = torch.randn(5, 4, 16)
+    out, _ = paged_prefill_attention_reference(
+        qp, padded_k[..., :16], padded_v[..., :16], case.block_tables, starts, case.context_lens, 0.25)
+    torch.testing.assert_close(out, dense_prefill(case, qp, starts.tolist(), 0.25), atol=1e-5, rtol=1e-5)

@@ -5,8 +5,9 @@ runs softmax as separate ops; on a CPU that is several times slower than torch's
 ``scaled_dot_product_attention`` (flash kernel with GQA). When no scores are requested the
 reference functions route here instead:
 
-- K/V are gathered block by block with ``index_select`` into reusable per-thread workspace
-  buffers (a fresh multi-MB tensor per call costs page faults that rival the attention itself);
+- K/V are gathered with ``index_select`` straight into head-major order, in reusable per-thread
+  workspace buffers (a fresh multi-MB tensor per call costs page faults that rival the
+  attention itself);
 - decode batches are cut into groups of sequences whose gathered K/V fit ``GROUP_BYTES``, so the
   copy is still in the last-level cache when SDPA reads it;
 - a sliding window gathers only the blocks inside the window.
@@ -46,12 +47,46 @@ def _gather(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     blocks: torch.Tensor,  # [num_seqs, n] int: physical block ids
     name: str,
-) -> torch.Tensor:  # [num_seqs, num_kv_heads, n * block_size, head_dim] (a strided view)
+    rows: torch.Tensor | None,  # [num_seqs * num_kv_heads * n * block_size] from _head_rows
+) -> torch.Tensor:  # [num_seqs, num_kv_heads, n * block_size, head_dim]
+    """Gather whole blocks, head-major when the cache is contiguous (``rows`` given): SDPA
+    reads ``[seq, head, slot, dim]`` with unit-stride slots markedly faster than the cache's
+    token-major order, and one gather per 256-byte head row costs about what one per block
+    does. Otherwise gather token-major blocks and return a strided view."""
     num_seqs, n = blocks.shape
     _, block_size, heads, dim = cache.shape
+    if rows is not None:
+        out = _buffer(name, cache, (rows.numel(), dim))
+        torch.index_select(cache.view(-1, dim), 0, rows, out=out)
+        return out.view(num_seqs, heads, n * block_size, dim)
     out = _buffer(name, cache, (num_seqs * n, block_size, heads, dim))
     torch.index_select(cache, 0, blocks.reshape(-1), out=out)
     return out.view(num_seqs, n * block_size, heads, dim).transpose(1, 2)
+
+
+def _head_offsets(block_size: int, heads: int, device: torch.device) -> torch.Tensor:
+    """[1, heads, 1, block_size] row offsets of (head, offset) inside one block (cached)."""
+    cache = _local.__dict__.setdefault("offsets", {})
+    key = (block_size, heads, device)
+    if key not in cache:
+        h = torch.arange(heads, device=device)[:, None]
+        o = torch.arange(block_size, device=device)[None, :]
+        cache[key] = (h + o * heads)[None, :, None, :]
+    return cache[key]
+
+
+def _gather_kv(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    blocks: torch.Tensor,  # [num_seqs, n] int
+) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_seqs, num_kv_heads, n * block_size, head_dim]
+    rows = None
+    if k_cache.is_contiguous() and v_cache.is_contiguous():
+        _, block_size, heads, _ = k_cache.shape
+        # row of (block b, head h, offset o) in the cache seen as [-1, head_dim]
+        rows = (blocks.long()[:, None, :, None] * (block_size * heads)
+                + _head_offsets(block_size, heads, blocks.device)).reshape(-1)
+    return _gather(k_cache, blocks, "k", rows), _gather(v_cache, blocks, "v", rows)
 
 
 def _groups(lens: list[int], bytes_per_slot: int, budget: int) -> list[tuple[int, int]]:
@@ -103,9 +138,7 @@ def _decode_group(
     hi, shortest = max(lens), min(lens)
     lo = 0 if sliding_window is None else max(0, shortest - sliding_window)
     b0, b1 = lo // block_size, (hi + block_size - 1) // block_size
-    tables = block_tables[:, b0:b1]
-    k = _gather(k_cache, tables, "k")
-    v = _gather(v_cache, tables, "v")
+    k, v = _gather_kv(k_cache, v_cache, block_tables[:, b0:b1])
     q = query.unsqueeze(2).to(k.dtype)  # [g, num_heads, 1, head_dim]
     first = b0 * block_size
     mask = None
@@ -147,8 +180,7 @@ def prefill_sdpa(
         prefix = ctx - q_len
         lo = 0 if sliding_window is None else max(0, prefix - sliding_window + 1)
         b0, b1 = lo // block_size, (ctx + block_size - 1) // block_size
-        k = _gather(k_cache, block_tables[i : i + 1, b0:b1], "k")
-        v = _gather(v_cache, block_tables[i : i + 1, b0:b1], "v")
+        k, v = _gather_kv(k_cache, v_cache, block_tables[i : i + 1, b0:b1])
         q = query[q_start:q_end].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, q_len, D]
         rows = torch.arange(q_len, device=device)[:, None] + prefix
         cols = torch.arange(b0 * block_size, b1 * block_size, device=device)[None, :]
