@@ -234,6 +234,7 @@ class _SchedulerView:
 
     def __init__(self, core: RemoteCore) -> None:
         self._core = core
+        self.config = core.spec.scheduler
 
     @property
     def running(self) -> list[SeqView]:
@@ -253,8 +254,11 @@ class _SchedulerView:
 
 
 class _BlockManagerView:
+    """``engine.block_manager`` for statistics readers: counts as of the last step."""
+
     def __init__(self, core: RemoteCore) -> None:
         self._core = core
+        self.block_size = core.spec.block_size
 
     def __getattr__(self, name: str) -> Any:
         if name in ("num_blocks", "num_free_blocks", "prefix_queries", "prefix_hits"):

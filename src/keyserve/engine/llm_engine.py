@@ -325,6 +325,10 @@ class LLMEngine:
         result = self.core.commit(updates)
         self._apply_seq_stats(result.seq_stats)
         self._apply_ops(result.ops)
+        for item in step.items:  # what the core just computed, also when it is another process
+            computed = item.start + item.num_new_tokens + out.num_accepted.get(item.seq_id, 0)
+            for seq_id in [item.seq_id] + item.sample_seq_ids[1:]:
+                self._seqs[seq_id].num_computed_tokens = computed
         outputs = []
         for req in touched.values():
             held = sum(self._blocks.get(s.seq_id, 0) for s in req.seqs)
