@@ -1,0 +1,133 @@
+"""Faults: kill a target shard, the draft actor or the KV-block manager actor in the middle of
+a generation. The actor is replaced (restarted by Ray or recreated), every request completes
+with the tokens it would have had (recomputed from the tokens the engine keeps), decoding goes
+on without speculation while the draft is away, and no KV block leaks."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file, save_file
+
+from keyserve import LLM, SamplingParams
+from keyserve.actors.engine import RayEngine, RayLLM
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+WORDS = "once upon a time there was a little girl named lily she loved to play outside in the park".split()
+OPTIONS = dict(num_blocks=120, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(stories_path: str, tmp_path_factory) -> str:
+    pytest.importorskip("keyserve.model.draft")
+    out = tmp_path_factory.mktemp("draft")
+    for f in Path(stories_path).iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    weights = load_file(str(Path(stories_path) / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    save_file({k: (v + 0.03 * torch.randn(v.shape, generator=gen) if "layers" in k else v).contiguous()
+               for k, v in weights.items()}, str(out / "model.safetensors"))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def reference(stories_path: str, draft_dir: str) -> LLM:
+    return LLM(stories_path, draft=draft_dir, **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def engine(stories_path: str, draft_dir: str):
+    llm = RayLLM(stories_path, draft=draft_dir, tensor_parallel_size=2, worker_threads=1,
+                 worker_num_cpus=0.1, max_restarts=2, **OPTIONS)
+    yield llm.engine
+    llm.shutdown()
+
+
+def _workload(seed: int, seeded_plain: bool = False) -> tuple[list[str], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40))) for _ in range(10)]
+    params = [SamplingParams(max_tokens=24 + i, temperature=0.0, ignore_eos=True, n=2 if i == 3 else 1)
+              for i in range(10)]
+    if seeded_plain:  # sampled without the draft: their generators live on rank 0 and survive
+        params[1] = SamplingParams(max_tokens=30, temperature=0.9, seed=7, speculative=False, ignore_eos=True)
+        params[2] = SamplingParams(max_tokens=30, temperature=0.7, top_p=0.9, seed=8, speculative=False)
+    return prompts, params
+
+
+def _run(engine: RayEngine, prompts, params, kill: Callable[[], None], at_step: int = 4) -> list:
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        steps += 1
+        if steps == at_step:
+            kill()
+    return [done[rid] for rid in ids]
+
+
+def _check(engine: RayEngine, reference: LLM, prompts, params, got) -> None:
+    want = reference.generate(prompts, params)
+    for a, b in zip(want, got, strict=True):
+        assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]
+    engine.flush()
+    view = engine.check_consistent()
+    assert view.num_free_blocks == view.num_blocks and not view.running and not view.waiting
+    draft = engine.drafter_client.stats()
+    assert draft["num_mirrors"] == 0 and draft["num_free_blocks"] == draft["num_blocks"]
+
+
+def test_draft_actor_killed(engine: RayEngine, reference: LLM) -> None:
+    prompts, params = _workload(1)
+    client = engine.drafter_client
+    drafted: list[int] = []
+    old_step = engine.step
+
+    def step():  # record how many tokens each step drafted
+        before = engine.spec.stats.num_draft_tokens
+        outs = old_step()
+        drafted.append(engine.spec.stats.num_draft_tokens - before)
+        return outs
+
+    engine.step = step
+    try:
+        got = _run(engine, prompts, params, lambda: ray.kill(client.actor, no_restart=False))
+    finally:
+        del engine.step
+    assert client.num_losses == 1
+    assert any(drafted[:4]) and not any(drafted[5:])  # decoding went on without drafts
+    deadline = time.monotonic() + 180
+    while not client.available:  # Ray restarts the actor (it reloads the draft) ...
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    before = engine.spec.stats.num_draft_tokens
+    more = _run(engine, prompts[:2], params[:2], lambda: None)
+    assert engine.spec.stats.num_draft_tokens > before  # ... and speculation is back
+    _check(engine, reference, prompts, params, got)
+    _check(engine, reference, prompts[:2], params[:2], more)
+
+
+def test_kv_manager_actor_killed(engine: RayEngine, reference: LLM) -> None:
+    prompts, params = _workload(2, seeded_plain=True)
+    core = engine.core_client
+    got = _run(engine, prompts, params, lambda: ray.kill(core.actor, no_restart=False))
+    assert core.num_losses == 1
+    _check(engine, reference, prompts, params, got)
+
+
+def test_target_shard_killed(engine: RayEngine, reference: LLM) -> None:
+    prompts, params = _workload(3)
+    group = engine.group
+    got = _run(engine, prompts, params, lambda: ray.kill(group.workers[1]))
+    assert group.num_restarts == 1
+    _check(engine, reference, prompts, params, got)
