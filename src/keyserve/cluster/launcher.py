@@ -14,19 +14,21 @@ from keyserve.cluster.serve_app import ServeArgs
 
 @dataclass
 class RayOptions:
-    address: str | None = None  # None: start a fresh local Ray; "auto": the running one
+    address: str | None = None  # None: $RAY_ADDRESS, else a fresh local Ray; "auto": the running one
     num_cpus: int | None = None  # local Ray only; default: this machine's cores (at least 2)
     object_store_memory_mb: int = 256  # local Ray only
 
 
 def init_ray(opts: RayOptions) -> None:
-    """Connect to ``opts.address`` or start a small local Ray (no dashboard)."""
+    """Connect to ``opts.address`` (or ``$RAY_ADDRESS``, as inside a Ray pod or job), else start
+    a small local Ray (no dashboard) rather than join whatever cluster this machine runs."""
     import ray
 
     if ray.is_initialized():
         return
-    if opts.address:
-        ray.init(address=opts.address)
+    address = opts.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
         return
     ray.init(
         address="local",

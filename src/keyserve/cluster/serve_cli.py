@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--address", default=None,
-                   help="Ray cluster to deploy onto ('auto': the running one); default: start a local Ray")
+                   help="Ray cluster to deploy onto ('auto': the running one); default: $RAY_ADDRESS, "
+                   "else start a local Ray")
     p.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
     p.add_argument("--object-store-memory-mb", type=int, default=256, help="object store of the local Ray")
     p.add_argument("--no-ray", action="store_true", help="serve with uvicorn in this process, without Ray")
