@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from keyserve.core.sampling_params import KVPolicyName, SamplingParams
 
@@ -225,8 +225,15 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """Only what changed: ``{"role": "assistant", "content": ""}`` first, then ``{"content"}``,
+    and ``{}`` with the finish reason."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
