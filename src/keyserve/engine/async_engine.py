@@ -394,6 +394,8 @@ class AsyncLLMEngine:
             except BaseException as e:  # noqa: BLE001 — goes back to the caller
                 if future is not None:
                     future.set_exception(e)
+                else:
+                    log.exception("engine command failed")
                 continue
             if future is not None:
                 future.set_result(result)
