@@ -111,8 +111,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = _sampling_params(args)
     prompts = _read_prompts(args)
-    llm = LLM(**_engine_options(args))
-    outputs = llm.generate(prompts, params, chat=args.chat, use_tqdm=len(prompts) > 1)
+    options = _engine_options(args)
+    if args.tp > 1 or args.address is not None:  # the Ray cluster: shards, draft, KV manager
+        import ray
+
+        from keyserve.actors.engine import RayLLM
+
+        started = not ray.is_initialized()
+        llm = RayLLM(**options, tensor_parallel_size=args.tp, address=args.address,
+                     placement_strategy=args.placement_strategy)
+        try:
+            outputs = llm.generate(prompts, params, chat=args.chat, use_tqdm=len(prompts) > 1)
+        finally:
+            llm.shutdown()
+            if started:
+                ray.shutdown()
+    else:
+        llm = LLM(**options)
+        outputs = llm.generate(prompts, params, chat=args.chat, use_tqdm=len(prompts) > 1)
     for out in outputs:
         if args.json:
             print(json.dumps(out.to_dict(), ensure_ascii=False))
@@ -176,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", help="a file: one prompt per line, or JSONL with 'prompt'")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    gen.add_argument("--tp", type=int, default=1,
+                     help="tensor-parallel shards; > 1 (or --address) runs on a Ray cluster")
+    gen.add_argument("--address", default=None,
+                     help="Ray cluster to join ('auto', ray://host:10001); a local one is started if none runs")
+    gen.add_argument("--placement-strategy", default="STRICT_PACK",
+                     choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
+                     help="placement of the tensor-parallel shards")
     gen.set_defaults(func=cmd_generate)
     distill = sub.add_parser("distill-draft", help="distil a small draft model for speculative decoding")
     _add_distill_args(distill)
