@@ -48,8 +48,9 @@ def serve_url(stories_path: str):
     from ray import serve
 
     port = free_port()
+    env = {"OMP_NUM_THREADS": "1", **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})}
     ray.init(address="local", num_cpus=2, object_store_memory=200 * 1024 * 1024, include_dashboard=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+             runtime_env={"env_vars": env})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = {**example_app()["args"], "model": stories_path, "num_blocks": 256, "api_key": KEY}
