@@ -21,7 +21,7 @@ from keyserve.actors.common import CoreLost, ShardLost, ensure_ray
 from keyserve.actors.draft_worker import DraftSpec, RemoteDrafter
 from keyserve.actors.kv_manager import CoreSpec, RemoteCore, views
 from keyserve.actors.target_group import TargetGroup, worker_gpus
-from keyserve.actors.tp_worker import WorkerSpec
+from keyserve.actors.tp_worker import WorkerSpec, check_tp_fits
 from keyserve.config import EngineConfig
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.engine.kv_budget import BudgetDefaults
@@ -45,11 +45,12 @@ class RayEngine(LLMEngine):
 
         config = config or EngineConfig()
         par = config.parallel
-        ensure_ray(par.address)
         if config.model.dtype == "float16" and config.model.device == "cpu":
             raise ValueError("dtype float16 is only supported on CUDA; use bfloat16 on the CPU")
         model_dir = str(resolve_model_dir(config.model.model, progress=False))
         arch = ModelConfig.from_file(f"{model_dir}/config.json")
+        check_tp_fits(arch, par.tensor_parallel_size, config.model.model)
+        ensure_ray(par.address)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         max_model_len = config.model.max_model_len or arch.max_position_embeddings
         block_size = config.cache.block_size

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+from pathlib import Path
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -109,7 +110,8 @@ class TPWorker:
         """Join the group, load this shard, allocate its KV; returns the shard's weight bytes."""
         from keyserve.engine.llm_engine import resolve_device
         from keyserve.model.kv_cache import allocate_kv_cache
-        from keyserve.model.loader import load_model
+        from keyserve.model.llama import LlamaForCausalLM
+        from keyserve.model.weights import iter_safetensors
 
         spec, rank, size = self.spec, self.rank, self.world_size
         torch.manual_seed(spec.seed)  # the global RNG (unseeded sampling, Keyformer's noise)
@@ -121,9 +123,12 @@ class TPWorker:
                 timeout=timedelta(seconds=spec.timeout_s),
             )
         dtype = _DTYPES[spec.dtype]
-        loaded = load_model(spec.model_dir, dtype=dtype, device=device, tp_rank=rank, tp_size=size,
-                            all_reduce=_all_reduce if size > 1 else None, progress=False)
-        arch, model = loaded.config, loaded.model
+        # The weights only (what load_model does minus the tokenizer: a shard never detokenizes,
+        # and importing transformers would double its start-up time).
+        arch = ModelConfig.from_file(f"{spec.model_dir}/config.json")
+        model = LlamaForCausalLM(arch, dtype, device, rank, size, _all_reduce if size > 1 else None)
+        model.load_weights(iter_safetensors(Path(spec.model_dir)))
+        model.eval()
         kv = allocate_kv_cache(arch, spec.num_blocks, spec.block_size, dtype, device, rank, size)
         head = None
         if size > 1:
