@@ -118,13 +118,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from keyserve.actors.engine import RayLLM
 
         started = not ray.is_initialized()
-        llm = RayLLM(**options, tensor_parallel_size=args.tp, address=args.address,
-                     placement_strategy=args.placement_strategy)
         try:
-            outputs = llm.generate(prompts, params, chat=args.chat, use_tqdm=len(prompts) > 1)
+            llm = RayLLM(**options, tensor_parallel_size=args.tp, address=args.address,
+                         placement_strategy=args.placement_strategy)
+            try:
+                outputs = llm.generate(prompts, params, chat=args.chat, use_tqdm=len(prompts) > 1)
+            finally:
+                llm.shutdown()
         finally:
-            llm.shutdown()
-            if started:
+            if started and ray.is_initialized():
                 ray.shutdown()
     else:
         llm = LLM(**options)
