@@ -46,16 +46,20 @@ def record_launches() -> list[tuple[JITFunction, tuple, dict]]:
     checks.check_device = lambda name, t: None  # CPU tensors stand in for CUDA ones
     pa = importlib.import_module("keyserve.kernels.paged_attention")
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.float32, 8)):
+        full = dtype == torch.bfloat16  # head_dim 8 (no tl.dot): the plain paths only
         case = make_case([3, 40], 16, 2, head_dim, dtype)
         tables, lens = case.block_tables, case.context_lens
         q = torch.randn(2, 8, head_dim).to(dtype)
         pa.paged_decode_attention(q, case.k_cache, case.v_cache, tables, lens, 0.1)
+        qp = torch.randn(10, 8, head_dim).to(dtype)
+        starts = torch.tensor([0, 3, 10], dtype=torch.int32)
+        pa.paged_prefill_attention(qp, case.k_cache, case.v_cache, tables, starts, lens, 0.1)
+        if not full:
+            continue
         pa.paged_decode_attention(q, case.k_cache, case.v_cache, tables, lens, 0.1,
                                   sliding_window=8, score_mode="gumbel", tau=torch.ones(2),
                                   split_k=True, partition_size=16)
-        qp = torch.randn(10, 8, head_dim).to(dtype)
-        pa.paged_prefill_attention(qp, case.k_cache, case.v_cache, tables,
-                                   torch.tensor([0, 3, 10], dtype=torch.int32), lens, 0.1,
+        pa.paged_prefill_attention(qp, case.k_cache, case.v_cache, tables, starts, lens, 0.1,
                                    sliding_window=4, score_mode="softmax")
         pa.write_kv(qp[:3, :2], qp[:3, 2:4], case.k_cache, case.v_cache,
                     torch.tensor([[1, 2], [3, -1], [5, 6]]))

@@ -1,7 +1,10 @@
-"""Kernel tests run the Triton kernels on the CPU through Triton's interpreter.
+"""Kernel tests run the Triton kernels through Triton's interpreter on the CPU, or compiled on a GPU.
 
-``TRITON_INTERPRET=1`` must be set before ``@triton.jit`` decorates the kernels (at import of
-``keyserve.kernels.paged_attention``), so it is set here, when pytest loads this directory.
+Without CUDA, ``TRITON_INTERPRET=1`` is set here, before ``@triton.jit`` decorates the kernels
+(at the first import of ``keyserve.kernels.paged_attention``). With CUDA (and no explicit
+``TRITON_INTERPRET=1``) the same tests run the compiled kernels: the ``triton_kernels``
+fixture moves the tensors a test passes to the GPU and the results back, so tests are written
+once, on CPU tensors.
 """
 
 from __future__ import annotations
@@ -9,18 +12,58 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import pytest
-
-os.environ["TRITON_INTERPRET"] = "1"
+import torch
 
 _MODULE = "keyserve.kernels.paged_attention"
-if _MODULE in sys.modules:  # imported by an earlier test directory without the interpreter
-    importlib.reload(sys.modules[_MODULE])
+_ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+if not _ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+    if _MODULE in sys.modules:  # imported by an earlier test directory without the interpreter
+        importlib.reload(sys.modules[_MODULE])
+
+_LAUNCHERS = ("write_kv", "paged_decode_attention", "paged_prefill_attention")
+
+
+def _move(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, tuple):
+        return tuple(_move(v, device) for v in x)
+    return x
+
+
+class _OnDevice:
+    """The launchers module, with tensor arguments moved to ``device`` and results moved back
+    (write_kv's caches are copied back into the caller's tensors)."""
+
+    def __init__(self, module: ModuleType, device: torch.device) -> None:
+        self._module, self._device = module, device
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._module, name)
+        if name not in _LAUNCHERS or self._device.type == "cpu":
+            return attr
+        return self._wrap(name, attr)
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            moved = [_move(a, self._device) for a in args]
+            result = fn(*moved, **{k: _move(v, self._device) for k, v in kwargs.items()})
+            if name == "write_kv":
+                args[2].copy_(moved[2].cpu())
+                args[3].copy_(moved[3].cpu())
+            return _move(result, torch.device("cpu"))
+
+        return call
 
 
 @pytest.fixture(scope="session")
-def triton_kernels() -> ModuleType:
+def triton_kernels() -> _OnDevice:
     """The Triton launchers (the module, not the package's same-named entry point)."""
-    return importlib.import_module(_MODULE)
+    device = torch.device("cuda" if _ON_GPU else "cpu")
+    return _OnDevice(importlib.import_module(_MODULE), device)

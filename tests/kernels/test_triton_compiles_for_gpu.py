@@ -30,4 +30,4 @@ def test_kernels_compile_for_sm90() -> None:
     proc = subprocess.run([sys.executable, str(script), "90"], capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok   sm_90") >= 10, proc.stdout
+    assert proc.stdout.count("ok   sm_90") >= 10, proc.stdout  # every kernel, both tile paths
