@@ -206,3 +206,26 @@ def test_committed_smollm2_draft_loads_and_is_small() -> None:
     logits = PagedRunner(draft.model).teacher_forced({0: seq}, {0: len(seq)})[0]
     agree = (logits[len(prompt) - 1 : -1].argmax(-1) == torch.tensor(greedy)).float().mean()
     assert agree > 0.4, f"draft agrees with the target's greedy tokens only {agree:.0%} of the time"
+
+
+def test_transformers_copy_of_the_draft_matches(distilled: Path, target: LoadedModel, stories_path: str) -> None:
+    """The transformers model built for assisted-generation comparisons gives the same logits
+    (-inf outside the head) and leaves greedy output unchanged."""
+    import transformers
+
+    from keyserve.draft.hf import draft_for_transformers
+
+    hf_target = transformers.AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32)
+    hf_draft = draft_for_transformers(distilled, hf_target)
+    assert hf_draft.get_input_embeddings() is hf_target.get_input_embeddings()
+    toks = list(range(5, 40))
+    with torch.no_grad():
+        theirs = hf_draft(torch.tensor([toks])).logits[0]
+    ours = PagedRunner(load_draft(str(distilled), target).model).teacher_forced({0: toks}, {0: 10})[0]
+    finite = torch.isfinite(ours)
+    assert torch.equal(torch.isfinite(theirs), finite)
+    torch.testing.assert_close(theirs[finite], ours[finite], atol=1e-4, rtol=1e-4)
+    prompt = torch.tensor([[1] + toks[:5]])
+    assisted = hf_target.generate(prompt, assistant_model=hf_draft, max_new_tokens=16, do_sample=False)
+    plain = hf_target.generate(prompt, max_new_tokens=16, do_sample=False)
+    assert torch.equal(assisted, plain)

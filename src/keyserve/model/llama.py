@@ -21,6 +21,7 @@ from keyserve.kernels.attention import paged_attention
 from keyserve.kernels.metadata import AttentionMetadata
 from keyserve.model.config import ModelConfig
 from keyserve.model.kv_cache import KVCache, allocate_kv_cache
+from keyserve.model.matmul import linear
 from keyserve.model.norm import RMSNorm
 from keyserve.model.parallel import (
     AllReduce,
@@ -204,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(
         self, hidden: torch.Tensor  # [n, hidden_size]
     ) -> torch.Tensor:  # [n, vocab_size] float32
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

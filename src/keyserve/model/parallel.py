@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from keyserve.model.matmul import linear
+
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -114,7 +116,7 @@ class QKVParallelLinear(nn.Module):
         target.data[offset : offset + count].copy_(tensor[start : start + count])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, (q + 2 kv) * d]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -149,7 +151,7 @@ class MergedColumnParallelLinear(nn.Module):
         target.data[rows].copy_(tensor[self.start : self.start + self.part_size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, parts * part_size]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -184,8 +186,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in / tp] -> [n, out]
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        out = self.tp.reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias  # the bias is added once, after the sum
 
 
