@@ -180,9 +180,6 @@ class EngineConfig(_Strict):
         return cls.model_validate({**sections, **top})
 
 
-from pydantic import field_validator  # noqa: E402  (ServeConfig was appended)
-
-
 class ServeConfig(_Strict):
     """One OpenAI-compatible server: the engine it wraps plus the HTTP-side limits.
 
@@ -196,7 +193,10 @@ class ServeConfig(_Strict):
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights/KV dtype.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
-    tp: int = Field(1, ge=1, description="Tensor-parallel degree (only 1 until the Ray TP engine).")
+    tp: int = Field(
+        1, ge=1, le=64,
+        description="Tensor-parallel shards; > 1 runs the Ray engine (shard actors, KV-manager actor).",
+    )
     max_model_len: int | None = Field(None, ge=2, description="Context length limit.")
     block_size: int | None = Field(None, ge=1, le=256, description="Token slots per KV block.")
     num_blocks: int | None = Field(None, ge=2, description="KV blocks in the pool.")
@@ -222,21 +222,12 @@ class ServeConfig(_Strict):
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with a 503.")
 
-    @field_validator("tp")
-    @classmethod
-    def _tp_not_yet(cls, value: int) -> int:
-        if value > 1:
-            raise ValueError(
-                f"tp={value}: tensor parallelism needs the Ray tensor-parallel engine, which is not "
-                "available yet; serve with tp=1"
-            )
-        return value
-
     def engine_config(self) -> "EngineConfig":
         """The EngineConfig this server runs (unset fields keep the engine's defaults)."""
         names = set(ModelConfig.model_fields) | set(CacheConfig.model_fields)
         names |= set(SchedulerSettings.model_fields) | set(SpecConfig.model_fields) | {"seed"}
-        return EngineConfig.from_flat(**{k: getattr(self, k) for k in type(self).model_fields if k in names})
+        flat = {k: getattr(self, k) for k in type(self).model_fields if k in names}
+        return EngineConfig.from_flat(**flat, tensor_parallel_size=self.tp if self.tp > 1 else None)
 
     def model_name(self) -> str:
         """The name clients use: served_model_name, else the model path's last part."""

@@ -34,8 +34,8 @@ def test_example_config_is_valid() -> None:
 
 
 def test_build_app_validates_its_args() -> None:
-    with pytest.raises(ValidationError, match="tensor-parallel"):
-        build_app({"tp": 2})
+    with pytest.raises(ValidationError, match="tp"):
+        build_app({"tp": 0})
     with pytest.raises(ValidationError, match="max_num_sequences"):
         build_app({"max_num_sequences": 8})  # misspelt
     with pytest.raises(ValidationError, match="num_cpus"):
@@ -109,3 +109,21 @@ def test_disconnect_through_ray_serve_aborts(serve_url: str) -> None:
             break
         assert time.monotonic() < deadline, m
         time.sleep(0.2)
+
+
+def test_tensor_parallel_app_through_ray_serve(serve_url: str, stories_path: str) -> None:
+    """tp=2: the replica runs the Ray engine's front; two shard actors hold the weights."""
+    from openai import OpenAI
+    from ray import serve
+
+    args = {"model": stories_path, "tp": 2, "num_blocks": 128, "num_cpus": 0.5,
+            "served_model_name": "stories-tp2", "deployment_name": "KeyserveTP2"}
+    serve.run(build_app(args), name="keyserve-tp2", route_prefix="/tp2")
+    try:
+        client = OpenAI(base_url=serve_url + "/tp2/v1", api_key="unused", max_retries=0)
+        tp2 = client.completions.create(model="stories-tp2", prompt="Once upon a time", max_tokens=12, temperature=0)
+        one = OpenAI(base_url=serve_url + "/v1", api_key=KEY, max_retries=0).completions.create(
+            model="stories260k", prompt="Once upon a time", max_tokens=12, temperature=0)
+        assert tp2.choices[0].text == one.choices[0].text  # greedy: the shards compute the same model
+    finally:
+        serve.delete("keyserve-tp2")

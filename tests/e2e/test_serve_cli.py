@@ -14,9 +14,12 @@ from keyserve.cluster.launcher import free_port
 
 
 def test_bad_flags_exit_2_naming_them() -> None:
-    done = subprocess.run([sys.executable, "-m", "keyserve.cli", "serve", "--tp", "2"],
+    done = subprocess.run([sys.executable, "-m", "keyserve.cli", "serve", "--tp", "0"],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "--tp" in done.stderr and "tensor-parallel" in done.stderr
+    assert done.returncode == 2 and "--tp" in done.stderr and "greater than or equal to 1" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "keyserve.cli", "serve", "--max-num-seqs", "many"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--max-num-seqs" in done.stderr
 
 
 def test_keyserve_serve_answers_and_stops_on_ctrl_c(stories_path: str) -> None:

@@ -93,12 +93,17 @@ class OpenAIServing:
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> "OpenAIServing":
-        """Start an engine (loading in its thread) with metrics wired to it."""
-        engine = AsyncLLMEngine(
-            config.engine_config(),
-            max_queued_requests=config.max_queued_requests,
-            request_timeout_s=config.request_timeout_s,
-        )
+        """Start an engine (loading in its thread) with metrics wired to it: the in-process
+        engine, or for ``tp > 1`` the Ray engine (tensor-parallel shard actors) behind the same
+        async front."""
+        engine_config = config.engine_config()
+        limits = {"max_queued_requests": config.max_queued_requests, "request_timeout_s": config.request_timeout_s}
+        if engine_config.parallel.uses_ray:
+            from keyserve.actors.engine import AsyncRayEngine
+
+            engine = AsyncRayEngine(engine_config, **limits)
+        else:
+            engine = AsyncLLMEngine(engine_config, **limits)
         metrics = ServerMetrics(engine.stats, config.model_name())
         engine.on_finished = metrics.observe_finished
         return cls(engine, config, metrics)

@@ -350,11 +350,15 @@ class AsyncLLMEngine:
         self._publish_stats()
         self._ready.set()
         failures = stalled = 0
+        flush = getattr(self.engine, "flush", None)  # the Ray engine batches messages to its actors
         try:
             while not self._stopping:
                 self._wake.clear()
-                self._run_commands()
+                ran = self._run_commands()
                 if not self.engine.has_unfinished_requests():
+                    if ran and flush is not None:  # e.g. an abort's frees, with no step to carry them
+                        flush()
+                        self._publish_stats()
                     self._wake.wait(0.5)
                     continue
                 try:
@@ -380,13 +384,22 @@ class AsyncLLMEngine:
             reason = self._dead or EngineDeadError("engine shut down")
             self._drain_commands(reason)
             self._fail_all(EngineDeadError(f"engine stopped: {reason}"), abort=False)
+            close = getattr(self.engine, "shutdown", None)  # the Ray engine's actors
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # noqa: BLE001
+                    log.exception("engine shutdown failed")
 
-    def _run_commands(self) -> None:
+    def _run_commands(self) -> bool:
+        """Run the queued calls; True if there were any."""
+        ran = False
         while True:
             try:
                 fn, future = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return ran
+            ran = True
             if future is not None and not future.set_running_or_notify_cancel():
                 continue
             try:
