@@ -47,20 +47,11 @@ def import_or_skip(module: str):
         raise
 
 
-TP_NOT_YET = "tensor parallelism needs the Ray tensor-parallel engine"
 
 
 def validate_serve_args(serve_app, args):
-    """ServeArgs(args); tp > 1 is refused by keyserve until its Ray tensor-parallel engine lands:
-    that one refusal is an expected failure, any other is a failure."""
-    from pydantic import ValidationError
-
-    try:
-        return serve_app.ServeArgs.model_validate(args)
-    except ValidationError as err:
-        if args.get("tp", 1) > 1 and TP_NOT_YET in str(err) and err.error_count() == 1:
-            pytest.xfail(f"ServeArgs refuses tp={args['tp']} until the Ray tensor-parallel engine lands")
-        raise
+    """ServeArgs(args): what build_app will accept (tp > 1 runs on the Ray TP engine)."""
+    return serve_app.ServeArgs.model_validate(args)
 
 
 def objects_for(case, rendered_cases):
@@ -188,14 +179,7 @@ def test_batch_entrypoint_is_accepted_by_the_batch_parser(case, rendered_cases):
 
     options = {k: v for k, v in vars(parsed).items() if k in ServeConfig.model_fields and v is not None}
     assert options["tp"] == int(flags["--tp"]) and options["default_kv_policy"] == flags["--default-kv-policy"]
-    from pydantic import ValidationError
-
-    try:
-        ServeConfig.model_validate(options)
-    except ValidationError as err:
-        if options["tp"] > 1 and TP_NOT_YET in str(err) and err.error_count() == 1:
-            pytest.xfail(f"ServeConfig refuses tp={options['tp']} until the Ray tensor-parallel engine lands")
-        raise
+    ServeConfig.model_validate(options)
 
 
 def test_no_rayjob_unless_asked(rendered_cases):
