@@ -158,8 +158,12 @@ def plot(rows: list[dict[str, float]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=40, help="timed calls per contender")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (0: torch's default); 1 is steadier on a busy machine")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load_before = _load()
     rows = []
@@ -181,7 +185,8 @@ def main() -> None:
     verdict = (f"Target paged <= {TARGET}x dense: {'met' if worst <= TARGET else 'NOT met'} "
                f"(worst ratio {worst:.2f}x).")
     print(verdict)
-    load = f"Load average (1/5/15 min) before: {load_before}; after: {_load()}."
+    load = (f"torch threads: {torch.get_num_threads()}. Load average (1/5/15 min) before: "
+            f"{load_before}; after: {_load()}.")
     print(load)
     if args.no_write:
         return
