@@ -122,3 +122,10 @@ def test_fast_cpu_path_on_a_non_contiguous_cache():
     out, _ = paged_prefill_attention_reference(
         qp, padded_k[..., :16], padded_v[..., :16], case.block_tables, starts, case.context_lens, 0.25)
     torch.testing.assert_close(out, dense_prefill(case, qp, starts.tolist(), 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_rejects_gumbel_without_tau():
+    case = make_case([4], 8, 1, 16)
+    args = (torch.randn(1, 2, 16), case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.25)
+    with pytest.raises(ValueError, match=r"^tau: score_mode='gumbel' needs"):
+        paged_decode_attention_reference(*args, score_mode="gumbel")

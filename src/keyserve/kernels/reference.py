@@ -76,6 +76,13 @@ def gather_kv(
     return gathered.reshape(num_seqs, num_blocks * block_size, *cache.shape[2:])[:, :num_slots]
 
 
+def _check_score_args(score_mode: ScoreMode | None, tau: torch.Tensor | None) -> None:
+    if score_mode not in (None, "softmax", "gumbel"):
+        raise ValueError(f"score_mode: expected None, 'softmax' or 'gumbel', got {score_mode!r}")
+    if score_mode == "gumbel" and tau is None:
+        raise ValueError("tau: score_mode='gumbel' needs the per-sequence temperature")
+
+
 def _masked_softmax_scores(
     logits: torch.Tensor,  # [..., num_slots] float32, masked entries = -inf
     mask: torch.Tensor,  # broadcastable to logits, True = attend
@@ -114,6 +121,7 @@ def paged_decode_attention_reference(
     Returns ``(out [num_seqs, num_heads, head_dim], scores [num_seqs, num_kv_heads, max_context]
     or None)`` where ``max_context = max(context_lens)``.
     """
+    _check_score_args(score_mode, tau)
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -169,6 +177,7 @@ def paged_prefill_attention_reference(
     Returns ``(out [num_tokens, num_heads, head_dim], scores [num_seqs, num_kv_heads,
     max_context] or None)``; scores sum over the chunk's queries and the group's heads.
     """
+    _check_score_args(score_mode, tau)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
