@@ -15,6 +15,7 @@ Writes the "kernels" section of docs/BENCHMARKS.md and docs/bench_kernels.png.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -47,8 +48,14 @@ WHY_NOT_MET = (
 )
 NO_GPU_NOTE = (
     "This task had no GPU (the `device` tool reported no machine lent), so the Triton kernels "
-    "were validated only under `TRITON_INTERPRET=1` on the CPU and no GPU memory bandwidth was "
+    "were validated only under `TRITON_INTERPRET=1` on the CPU (and compiled for sm_90 through "
+    "ptxas by `tests/kernels/aot_compile.py`, never run) and no GPU memory bandwidth was "
     "measured."
+)
+BUSY_NOTE = (
+    "The machine was oversubscribed while this ran (load average above its core count), so "
+    "single points are noisy (a contended call can take several times its idle time); rerun "
+    "on an idle machine for precise ratios."
 )
 
 
@@ -64,6 +71,13 @@ def _time_ms(fn: Callable[[], object], reps: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
+
+
+def _busy(load: str) -> bool:
+    try:
+        return float(load.split()[0]) > (os.cpu_count() or 1)
+    except (ValueError, IndexError):
+        return False
 
 
 def _load() -> str:
@@ -194,8 +208,8 @@ def main() -> None:
     body = "\n\n".join([
         "One decode step of one attention layer, SmolLM2-135M shapes (9 query heads, 3 kv heads, "
         "head_dim 64), block size 16, float32, shuffled block tables. *paged* is "
-        "`paged_decode_attention_reference` (the engine's CPU path: block gather into reused "
-        "buffers, then fused SDPA); *dense* is `scaled_dot_product_attention` over the same "
+        "`paged_decode_attention_reference` (the engine's CPU path: gather of the blocks into "
+        "reused head-major buffers, then fused SDPA); *dense* is `scaled_dot_product_attention` over the same "
         "tokens held contiguously as `[batch, kv_heads, tokens, head_dim]`; *dense token-major* "
         "holds them as `[batch, tokens, kv_heads, head_dim]`, the paged cache's own layout. "
         "Times (ms) are the fastest of interleaved runs: the machine was shared with other "
@@ -205,6 +219,7 @@ def main() -> None:
         verdict,
         *([] if worst <= TARGET else [WHY_NOT_MET]),
         load,
+        *([BUSY_NOTE] if _busy(load_before) else []),
         f"![decode attention]({PLOT.name})",
         NO_GPU_NOTE,
     ])
