@@ -102,8 +102,11 @@ class RayEngine(LLMEngine):
         except ShardLost as e:
             self._recovered(e)
             assert self.group is not None and self.core_client is not None
-            self.group.restart()
             self.core_client.reset_model_side()  # recompute everything on the new shards
+            try:
+                self.group.restart()
+            except Exception:  # noqa: BLE001 — e.g. no room yet: the next step finds it dead again
+                log.exception("replacing the target group failed; retrying at the next step")
             return []
         except CoreLost as e:
             self._recovered(e)

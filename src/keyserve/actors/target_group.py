@@ -68,8 +68,12 @@ class TargetGroup:
             ).remote(i, self.tp, self.spec)
             for i in range(self.tp)
         ]
-        host, port = ray.get(self.workers[0].master_address.remote())
-        self.weight_bytes = sum(ray.get([w.setup.remote(host, port) for w in self.workers]))
+        try:
+            host, port = ray.get(self.workers[0].master_address.remote())
+            self.weight_bytes = sum(ray.get([w.setup.remote(host, port) for w in self.workers]))
+        except BaseException:
+            self._kill()
+            raise
 
     # ------------------------------------------------------- runner interface
     def apply_ops(self, ops: list[RunnerOp]) -> dict[int, tuple[int, int]]:
@@ -82,6 +86,8 @@ class TargetGroup:
         step: StepInput,
         draft_probs: torch.Tensor | ray.ObjectRef | None = None,  # [num_drafted, max_draft, vocab]
     ) -> StepOutput:
+        if not self.workers:
+            raise ShardLost("the target group is being replaced")
         if self._ops:
             step.ops, self._ops = self._ops + step.ops, []
         arg = ray.put(step) if self.tp > 1 else step
@@ -104,19 +110,21 @@ class TargetGroup:
     # ------------------------------------------------------------- lifecycle
     def restart(self) -> None:
         """Replace every shard (the KV is lost; the engine recomputes from tokens)."""
-        for w in self.workers:
-            ray.kill(w, no_restart=True)
+        self._kill()
         self._ops = []
         self.num_restarts += 1
         self._start()
 
-    def shutdown(self) -> None:
+    def _kill(self) -> None:
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)
             except Exception:  # noqa: BLE001 — already gone
                 pass
         self.workers = []
+
+    def shutdown(self) -> None:
+        self._kill()
         try:
             remove_placement_group(self.pg)
         except Exception:  # noqa: BLE001
