@@ -41,6 +41,13 @@ def test_invalid_sampling_values_name_the_field(field: str, value: float) -> Non
     assert field in str(info.value)
 
 
+def test_more_samples_than_seats(stories_path: str) -> None:
+    small = LLM(stories_path, num_blocks=32, max_num_seqs=4)
+    with pytest.raises(ValueError, match="n=5 exceeds the engine's max_num_seqs=4"):
+        small.engine.add_request("once", SamplingParams(n=5))
+    assert not small.engine.has_unfinished_requests()
+
+
 def test_errors_leave_running_requests_untouched(llm: LLM) -> None:
     engine = llm.engine
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -202,6 +202,9 @@ class LLMEngine:
             )
         if params.speculative and self.spec is None:
             raise ValueError("speculative=true needs a draft model (start the engine with a draft)")
+        max_seqs = self.config.scheduler.max_num_seqs
+        if params.n > max_seqs:
+            raise ValueError(f"n={params.n} exceeds the engine's max_num_seqs={max_seqs}")
         if isinstance(prompt, str) and not prompt.strip() and not prompt_token_ids:
             raise ValueError("prompt is empty")
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt, chat)
