@@ -67,7 +67,7 @@ class DenseKVCache:
         )
 
 
-def _param(t: torch.Tensor, trainable: bool) -> nn.Parameter:
+def _param(t: torch.Tensor, trainable: bool) -> nn.Parameter:  # t: any shape, kept
     """Share the tensor when frozen (the target's weights), copy it when it will be trained."""
     data = t.detach().clone().float() if trainable else t.detach()
     return nn.Parameter(data, requires_grad=trainable)

@@ -35,14 +35,18 @@ def select_vocab(
     return order[:size].sort().values
 
 
-def coverage(data: TeacherData, ids: torch.Tensor, vocab_size: int) -> float:
+def coverage(
+    data: TeacherData, ids: torch.Tensor, vocab_size: int  # ids: [N] int64 the draft's tokens
+) -> float:
     """Share of the target's recorded top-k probability mass that falls inside ``ids``."""
     mass = token_mass(data, vocab_size)
     total = float(mass.sum())
     return float(mass[ids].sum()) / total if total > 0 else 1.0
 
 
-def index_map(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [vocab] int64
+def index_map(
+    ids: torch.Tensor, vocab_size: int  # ids: [N] int64 the draft's tokens
+) -> torch.Tensor:  # [vocab] int64
     """Full-vocabulary id -> position in ``ids`` (-1 where the draft has no row)."""
     table = torch.full((vocab_size,), -1, dtype=torch.int64)
     table[ids] = torch.arange(ids.numel())
