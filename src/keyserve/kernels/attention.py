@@ -49,8 +49,6 @@ def paged_attention(
     n_dec = meta.num_decode_seqs
     triton = _use_triton(query)
     if triton:
-        # Import the names from the submodule: ``keyserve.kernels.paged_attention`` is also the
-        # name of this module's entry point, re-exported by the package.
         from keyserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
         decode_fn, prefill_fn = paged_decode_attention, paged_prefill_attention
