@@ -31,11 +31,13 @@ from keyserve.model.llama import LlamaForCausalLM
 from keyserve.model.loader import LoadedModel, load_model
 from keyserve.model.testing import PagedRunner
 
-TINY = ["--num-prompts", "10", "--gen-tokens", "24", "--vocab", "200", "--batch-tokens", "256",
+TINY = ["--gen-tokens", "24", "--vocab", "200", "--batch-tokens", "256",
         "--time-budget-min", "3"]
 
 
 def _distill(target: str, out: Path, *extra: str) -> None:
+    if "--num-prompts" not in extra:
+        extra = (*extra, "--num-prompts", "10")
     assert cli_main(["distill-draft", "--target", target, "--out", str(out), *TINY, *extra]) == 0
 
 
@@ -232,3 +234,22 @@ def test_transformers_copy_of_the_draft_matches(distilled: Path, target: LoadedM
     assisted = hf_target.generate(prompt, assistant_model=hf_draft, max_new_tokens=16, do_sample=False)
     plain = hf_target.generate(prompt, max_new_tokens=16, do_sample=False)
     assert torch.equal(assisted, plain)
+
+
+def test_resume_after_interrupted_generation_answers_only_missing_prompts(
+    stories_path: str, tmp_path: Path
+) -> None:
+    """Without a checkpoint, --resume keeps the saved answers and asks the target only for the
+    prompts it has not answered (here: 4 more prompts than the first run had)."""
+    from keyserve.draft.records import TeacherData, load_parts
+
+    _distill(stories_path, tmp_path, "--steps", "2")
+    (tmp_path / "checkpoint.pt").unlink()  # as if stopped before training
+    before = load_parts(tmp_path / "data")
+    assert before is not None and sorted(before.prompt_index.tolist()) == list(range(10))
+    parts = sorted((tmp_path / "data").glob("part-*"))
+    tail = TeacherData.load(parts[-1])
+    _distill(stories_path, tmp_path, "--steps", "2", "--resume", "--num-prompts", "14")
+    after = load_parts(tmp_path / "data")
+    assert after is not None and sorted(after.prompt_index.tolist()) == list(range(14))
+    assert torch.equal(TeacherData.load(parts[-1]).gen_tokens, tail.gen_tokens)  # kept as saved
