@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -271,6 +272,17 @@ class ModelRunner:
     ) -> StepOutput:
         """One forward for the whole batch: sample, verify drafts, return logits as asked.
         (A bare StepPlan, the older form, only runs the forward and returns logits.)"""
+        start = time.perf_counter()
+        out = self._execute(step, draft_probs, logits_rows)
+        out.execute_s = time.perf_counter() - start
+        return out
+
+    def _execute(
+        self,
+        step: StepInput | StepPlan,
+        draft_probs: torch.Tensor | None,
+        logits_rows: dict[int, int] | None,
+    ) -> StepOutput:
         if isinstance(step, StepPlan):
             step = logits_step_input(step, rows=0)
             for item in step.items:

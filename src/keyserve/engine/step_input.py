@@ -127,6 +127,7 @@ class StepOutput:
     num_accepted: dict[int, int] = field(default_factory=dict)  # verified seq_id -> drafts kept
     logits: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> [rows, vocab] f32
     kv_stats: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (held, evicted)
+    execute_s: float = 0.0  # time the runner spent on the step (what orchestration adds to)
 
 
 def step_item(scheduled: ScheduledSeq, **fields: object) -> StepItem:
