@@ -41,6 +41,11 @@ def test_invalid_sampling_values_name_the_field(field: str, value: float) -> Non
     assert field in str(info.value)
 
 
+def test_context_longer_than_the_model_supports(stories_path: str) -> None:
+    with pytest.raises(ValueError, match="max_model_len=600 exceeds the model's max_position_embeddings=512"):
+        LLM(stories_path, num_blocks=8, max_model_len=600)
+
+
 def test_more_samples_than_seats(stories_path: str) -> None:
     small = LLM(stories_path, num_blocks=32, max_num_seqs=4)
     with pytest.raises(ValueError, match="n=5 exceeds the engine's max_num_seqs=4"):

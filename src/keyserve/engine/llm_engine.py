@@ -82,6 +82,11 @@ class LLMEngine:
         self.loaded = loaded or load_model(config.model.model, dtype=dtype, device=self.device)
         arch = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        if (config.model.max_model_len or 0) > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.model.max_model_len} exceeds the model's "
+                f"max_position_embeddings={arch.max_position_embeddings}"
+            )
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or num_blocks_for_memory(
