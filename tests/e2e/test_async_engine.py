@@ -110,7 +110,7 @@ def test_bounded_queue(engine: AsyncLLMEngine) -> None:
 def test_timeout_aborts(engine: AsyncLLMEngine) -> None:
     async def main():
         with pytest.raises(RequestTimeoutError):
-            async for _ in engine.generate("Once upon a time", SamplingParams(max_tokens=400, n=16, ignore_eos=True),
+            async for _ in engine.generate("Once upon a time", SamplingParams(max_tokens=400, n=8, ignore_eos=True),
                                            timeout_s=0.3):
                 pass
         await settle(engine)
