@@ -86,6 +86,11 @@ def test_token_ids_outside_the_vocabulary(server: LiveServer) -> None:
     assert err["param"] == "prompt" and "512" in err["message"]
 
 
+def test_more_samples_than_seats_names_n(server: LiveServer) -> None:
+    err = envelope(post(server, "/completions", {"prompt": "Once", "n": MAX_NUM_SEQS + 1}), 400)
+    assert err["param"] == "n" and "max_num_seqs" in err["message"]
+
+
 def test_speculative_without_a_draft(server: LiveServer) -> None:
     err = envelope(post(server, "/completions", {"prompt": "Once", "speculative": True}), 400)
     assert err["param"] == "speculative"
@@ -147,7 +152,7 @@ def test_full_queue_is_503_with_retry_after(server: LiveServer) -> None:
 
 def test_request_timeout_is_408_and_aborts(server: LiveServer) -> None:
     server.wait_idle()
-    body = {"prompt": "Once upon a time", "max_tokens": 480, "n": 64, "ignore_eos": True}
+    body = {"prompt": "Once upon a time", "max_tokens": 500, "n": MAX_NUM_SEQS, "ignore_eos": True}
     err = envelope(post(server, "/completions", body), 408)
     assert err["code"] == "request_timeout" and err["type"] == "timeout_error"
     server.wait_idle(timeout=10)  # aborted: its KV blocks are back
@@ -155,7 +160,7 @@ def test_request_timeout_is_408_and_aborts(server: LiveServer) -> None:
 
 def test_timeout_while_streaming_ends_the_stream_with_an_error_event(server: LiveServer) -> None:
     server.wait_idle()
-    body = {"prompt": "Once upon a time", "max_tokens": 480, "n": 64, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Once upon a time", "max_tokens": 500, "n": MAX_NUM_SEQS, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.base_url + "/completions", json=body, headers=AUTH, timeout=60) as r:
         assert r.status_code == 200  # the first tokens came before the deadline
         events = [line for line in r.iter_lines() if line]

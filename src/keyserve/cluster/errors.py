@@ -67,12 +67,14 @@ def from_validation_error(err: ValidationError, rename: dict[str, str] | None = 
 def to_api_error(exc: BaseException, prompt_param: str = "prompt",
                  retry_after_s: int = 1, rename: dict[str, str] | None = None) -> APIError:
     """Map an exception from validation or the engine to its APIError."""
-    from keyserve.engine.llm_engine import PromptTooLongError
+    from keyserve.engine.llm_engine import InvalidParamError, PromptTooLongError
 
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ValidationError):
         return from_validation_error(exc, rename)
+    if isinstance(exc, InvalidParamError):
+        return bad_request(str(exc), exc.param)
     if isinstance(exc, PromptTooLongError):
         return bad_request(str(exc), prompt_param, code="context_length_exceeded")
     if isinstance(exc, QueueFullError):
@@ -87,8 +89,7 @@ def to_api_error(exc: BaseException, prompt_param: str = "prompt",
         return APIError(500, str(exc), "server_error", code="engine_step_failed")
     if isinstance(exc, ValueError):
         message = str(exc)
-        param = "speculative" if "speculative" in message else prompt_param
-        return bad_request(message, param)
+        return bad_request(message, prompt_param)
     log.error("unexpected error", exc_info=exc)
     return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", "server_error",
                     code="internal_error")

@@ -36,6 +36,14 @@ class PromptTooLongError(ValueError):
     """The prompt does not fit the context (the HTTP layer maps this to 400)."""
 
 
+class InvalidParamError(ValueError):
+    """A request parameter the engine cannot honour; ``param`` names it for the API error."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -206,10 +214,12 @@ class LLMEngine:
                         "ignore_eos": True, "stop": [], "stop_token_ids": []}
             )
         if params.speculative and self.spec is None:
-            raise ValueError("speculative=true needs a draft model (start the engine with a draft)")
+            raise InvalidParamError(
+                "speculative=true needs a draft model (start the engine with a draft)", "speculative"
+            )
         max_seqs = self.config.scheduler.max_num_seqs
         if params.n > max_seqs:
-            raise ValueError(f"n={params.n} exceeds the engine's max_num_seqs={max_seqs}")
+            raise InvalidParamError(f"n={params.n} exceeds the engine's max_num_seqs={max_seqs}", "n")
         if isinstance(prompt, str) and not prompt.strip() and not prompt_token_ids:
             raise ValueError("prompt is empty")
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt, chat)
