@@ -33,9 +33,11 @@ def _buffer(name: str, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tens
     numel = 1
     for n in shape:
         numel *= n
-    workspace: dict[tuple[str, torch.dtype, torch.device], torch.Tensor]
+    workspace: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor]
     workspace = _local.__dict__.setdefault("buffers", {})
-    key = (name, like.dtype, like.device)
+    # Tensors made under inference_mode cannot be written outside it (and vice versa for
+    # autograd tracking), so buffers are kept per mode.
+    key = (name, like.dtype, like.device, torch.is_inference_mode_enabled())
     buf = workspace.get(key)
     if buf is None or buf.numel() < numel:
         buf = torch.empty(numel, dtype=like.dtype, device=like.device)
