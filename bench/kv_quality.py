@@ -48,6 +48,7 @@ PLOT_PATH = ROOT / "docs" / "kv_quality_rouge2.png"
 POLICIES = ["window", "streaming_llm", "h2o", "keyformer"]
 BUDGETS = [0.2, 0.3, 0.5, 0.7, 0.9]
 INSTRUCTION = "Summarize the following text in a few sentences.\n\n"
+NOTE = ""  # --note: how a run was made (rendered with its part)
 
 
 # ------------------------------------------------------------------------ helpers
@@ -89,8 +90,9 @@ def save_json(data: dict[str, Any]) -> None:
     JSON_PATH.write_text(json.dumps(data, indent=1))
 
 
-def stamp() -> dict[str, str]:
-    return {"command": command_line(), "date": _dt.date.today().isoformat(), "machine": machine_description()}
+def stamp() -> dict[str, Any]:
+    return {"command": command_line(), "date": _dt.date.today().isoformat(), "machine": machine_description(),
+            "threads": torch.get_num_threads(), "note": NOTE}
 
 
 # ------------------------------------------------------------------------ quality
@@ -116,10 +118,12 @@ def run_quality(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any
     reuse = (args.resume or args.merge) and old.get("settings") == settings
     runs: dict[str, dict[str, Any]] = old.get("runs", {}) if reuse else {}
     wall0 = old.get("wall_s", 0.0) if reuse else 0.0
+    merged_from = []
     for path in args.merge or []:
         other = json.loads(Path(path).read_text()).get("quality")
         if other is None:
             continue
+        merged_from.append(f"`{other['command']}` ({other.get('wall_s', 0) / 60:.0f} min)")
         if other["settings"] != settings:
             raise SystemExit(f"{path}: different settings, cannot merge")
         for name, per_doc in other["runs"].items():
@@ -129,6 +133,7 @@ def run_quality(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any
     shard, nshards = (int(x) for x in args.shard.split("/"))
     mine = [d.name for d in docs][shard::nshards]  # documents this process computes
     q: dict[str, Any] = {**stamp(), "settings": settings, "kv_bytes_per_token": bpt, "runs": runs,
+                         "merged_from": merged_from,
                          "docs": [{"name": d.name, "doc_tokens": d.num_tokens, "prompt_tokens": len(prompts[d.name])}
                                   for d in docs if d.name in mine or nshards == 1]}
     t_start = time.perf_counter()
@@ -525,7 +530,10 @@ def render(data: dict[str, Any]) -> str:
         body, c = quality_tables(q)
         checks.update(c)
         parts.append(
-            f"### Quality\n\nCommand: `{q['command']}` ({q['date']}, wall time {q.get('wall_s', 0) / 60:.0f} min)  \n"
+            f"### Quality\n\nCommand: `{q['command']}` ({q['date']}, {q.get('threads', '?')} torch thread(s), "
+            f"{q.get('wall_s', 0) / 60:.0f} min of wall time summed over the runs)  \n"
+            + (f"Merging the per-document results of: {'; '.join(q['merged_from'])}.  \n" if q.get("merged_from") else "")
+            + (f"{q['note']}  \n" if q.get("note") else "") +
             f"{len(docs)} documents (sections of the Python language reference, `pydoc_data.topics`, "
             f"cut/merged to {s['doc_tokens'][0]}–{s['doc_tokens'][1]} tokens), prompt = chat template with "
             f"\"{s['instruction']}\" + document: {min(n)}–{max(n)} tokens (mean {sum(n) / len(n):.0f}). "
@@ -541,7 +549,9 @@ def render(data: dict[str, Any]) -> str:
         body, c = speed_tables(sp)
         checks.update(c)
         parts.append(
-            f"### Speed\n\nCommand: `{sp['command']}` ({sp['date']}, wall time {sp.get('wall_s', 0) / 60:.0f} min)  \n"
+            f"### Speed\n\nCommand: `{sp['command']}` ({sp['date']}, {sp.get('threads', '?')} torch thread(s), "
+            f"wall time {sp.get('wall_s', 0) / 60:.0f} min)  \n"
+            + (f"{sp['note']}  \n" if sp.get("note") else "") +
             f"Machine: {sp['machine']}.  \n"
             f"**Measured on a shared machine** (other engineers' test suites were running): the timings are "
             f"noisy; rerun the command on a quiet machine for numbers to quote. Method: one prompt per "
@@ -596,10 +606,16 @@ def main() -> None:
     ap.add_argument("--e2e-output-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    ap.add_argument("--note", default="", help="a remark on how this run was made, shown with its results")
     args = ap.parse_args()
     if args.ppl_budgets is None:
         args.ppl_budgets = args.budgets
     torch.set_num_threads(args.threads)
+    global NOTE
+    NOTE = args.note
+    if "--note" in sys.argv:  # the note is shown on its own, not inside the recorded command
+        i = sys.argv.index("--note")
+        del sys.argv[i : i + 2]
     global JSON_PATH
     JSON_PATH = args.json
     if args.no_write and args.json == ROOT / "docs" / "kv_quality.json":
