@@ -20,3 +20,23 @@ def stories_path() -> str:
     if not (STORIES / "config.json").exists():
         pytest.fail(f"stories260K not found at {STORIES} (set KEYSERVE_STORIES260K)")
     return str(STORIES)
+
+
+@pytest.fixture(scope="session")
+def draft_dir(stories_path: str, tmp_path_factory) -> str:
+    """A real draft on disk: stories260K with its layers perturbed, so it disagrees with the
+    target now and then (speculative tests need both accepts and rejects)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("draft")
+    for f in Path(stories_path).iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    weights = load_file(str(Path(stories_path) / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    save_file({k: (v + 0.03 * torch.randn(v.shape, generator=gen) if "layers" in k else v).contiguous()
+               for k, v in weights.items()}, str(out / "model.safetensors"))
+    return str(out)

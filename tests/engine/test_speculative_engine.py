@@ -5,37 +5,16 @@ target's, and both caches roll back to exactly the accepted tokens."""
 from __future__ import annotations
 
 import random
-import shutil
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from scipy.stats import chi2_contingency
 
 from keyserve import LLM, SamplingParams
-from keyserve.core.scheduler import ScheduledSeq, StepPlan
 from keyserve.kernels.reference import gather_kv
 
 WORDS = "once upon a time there was a little girl named lily she loved to play outside in the park".split()
-
-
-@pytest.fixture(scope="module")
-def draft_dir(stories_path: str, tmp_path_factory) -> str:
-    """A real draft on disk: stories260K with its layers perturbed, so it disagrees sometimes."""
-    out = tmp_path_factory.mktemp("draft")
-    for f in Path(stories_path).iterdir():
-        if f.name != "model.safetensors":
-            shutil.copy(f, out / f.name)
-    weights = load_file(str(Path(stories_path) / "model.safetensors"))
-    gen = torch.Generator().manual_seed(0)
-    noisy = {
-        k: (v + 0.03 * torch.randn(v.shape, generator=gen) if "layers" in k else v).contiguous()
-        for k, v in weights.items()
-    }
-    save_file(noisy, str(out / "model.safetensors"))
-    return str(out)
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,11 @@ on without speculation while the draft is away, and no KV block leaks."""
 from __future__ import annotations
 
 import random
-import shutil
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import ray
-import torch
-from safetensors.torch import load_file, save_file
 
 from keyserve import LLM, SamplingParams
 from keyserve.actors.engine import RayEngine, RayLLM
@@ -23,20 +19,6 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 
 WORDS = "once upon a time there was a little girl named lily she loved to play outside in the park".split()
 OPTIONS = dict(num_blocks=120, block_size=8)
-
-
-@pytest.fixture(scope="module")
-def draft_dir(stories_path: str, tmp_path_factory) -> str:
-    pytest.importorskip("keyserve.model.draft")
-    out = tmp_path_factory.mktemp("draft")
-    for f in Path(stories_path).iterdir():
-        if f.name != "model.safetensors":
-            shutil.copy(f, out / f.name)
-    weights = load_file(str(Path(stories_path) / "model.safetensors"))
-    gen = torch.Generator().manual_seed(0)
-    save_file({k: (v + 0.03 * torch.randn(v.shape, generator=gen) if "layers" in k else v).contiguous()
-               for k, v in weights.items()}, str(out / "model.safetensors"))
-    return str(out)
 
 
 @pytest.fixture(scope="module")

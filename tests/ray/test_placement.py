@@ -3,14 +3,10 @@ shards packed on one node, the draft actor on the other; outputs unchanged."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 
 import pytest
 import ray
-import torch
 from ray.cluster_utils import Cluster
-from safetensors.torch import load_file, save_file
 
 from keyserve import LLM, SamplingParams
 from keyserve.actors.engine import RayLLM
@@ -29,20 +25,6 @@ def two_nodes():
     finally:
         ray.shutdown()
         cluster.shutdown()
-
-
-@pytest.fixture(scope="module")
-def draft_dir(stories_path: str, tmp_path_factory) -> str:
-    pytest.importorskip("keyserve.model.draft")
-    out = tmp_path_factory.mktemp("draft")
-    for f in Path(stories_path).iterdir():
-        if f.name != "model.safetensors":
-            shutil.copy(f, out / f.name)
-    weights = load_file(str(Path(stories_path) / "model.safetensors"))
-    gen = torch.Generator().manual_seed(0)
-    save_file({k: (v + 0.03 * torch.randn(v.shape, generator=gen) if "layers" in k else v).contiguous()
-               for k, v in weights.items()}, str(out / "model.safetensors"))
-    return str(out)
 
 
 def test_target_group_on_one_node_draft_on_the_other(two_nodes, stories_path: str, draft_dir: str) -> None:

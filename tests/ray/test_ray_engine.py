@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import random
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from keyserve import LLM, SamplingParams
 from keyserve.actors.engine import RayLLM
@@ -49,21 +46,6 @@ def _same(want, got) -> None:
         assert b.stats.generated_tokens == a.stats.generated_tokens
         assert b.stats.kv_tokens_evicted == a.stats.kv_tokens_evicted
         assert b.stats.kv_tokens_held == a.stats.kv_tokens_held
-
-
-@pytest.fixture(scope="module")
-def draft_dir(stories_path: str, tmp_path_factory) -> str:
-    """stories260K with perturbed layers: it disagrees with the target now and then."""
-    pytest.importorskip("keyserve.model.draft")
-    out = tmp_path_factory.mktemp("draft")
-    for f in Path(stories_path).iterdir():
-        if f.name != "model.safetensors":
-            shutil.copy(f, out / f.name)
-    weights = load_file(str(Path(stories_path) / "model.safetensors"))
-    gen = torch.Generator().manual_seed(0)
-    save_file({k: (v + 0.03 * torch.randn(v.shape, generator=gen) if "layers" in k else v).contiguous()
-               for k, v in weights.items()}, str(out / "model.safetensors"))
-    return str(out)
 
 
 OPTIONS = dict(num_blocks=70, block_size=8)  # small: 32 requests preempt each other
