@@ -1,6 +1,8 @@
 """The one attention entry point the model calls: write K/V, then paged attention.
 
-CUDA tensors go to the Triton kernels; CPU tensors to the pure-torch reference.
+CUDA tensors go to the Triton kernels. On the CPU, decode attention runs the native C kernel
+(``kernels/native``, built on first use) where a compiler is available, and everything else the
+pure-torch reference (which the native kernel is tested against).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ import torch
 
 from keyserve.kernels import reference
 from keyserve.kernels.metadata import AttentionMetadata
+from keyserve.kernels.native import decode as native_decode
+from keyserve.kernels.native import write_kv as native_write
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -30,6 +34,8 @@ def write_kv(
         from keyserve.kernels.paged_attention import write_kv as triton_write_kv
 
         triton_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    elif native_write.supports(key, k_cache, v_cache):
+        native_write.write_kv_native(key, value, k_cache, v_cache, slot_mapping)
     else:
         reference.write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
@@ -54,6 +60,8 @@ def paged_attention(
         decode_fn, prefill_fn = paged_decode_attention, paged_prefill_attention
     else:
         decode_fn = reference.paged_decode_attention_reference
+        if n_dec and native_decode.supports(query, k_cache):
+            decode_fn = native_decode.paged_decode_attention_native
         prefill_fn = reference.paged_prefill_attention_reference
     tau = meta.tau
     outs = []

@@ -34,6 +34,7 @@ from torch import nn
 from keyserve.model.config import ModelConfig
 from keyserve.model.llama import LlamaForCausalLM
 from keyserve.model.loader import LoadedModel
+from keyserve.model.matmul import use_cpu_gemv_layout
 from keyserve.model.paths import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from keyserve.model.weights import iter_safetensors
 
@@ -184,6 +185,7 @@ class PrunedHeadLlama(LlamaForCausalLM):
         missing = sorted(expected - loaded)
         if missing:
             raise DraftError(f"draft checkpoint is missing weights: {missing[:8]}")
+        use_cpu_gemv_layout(self)
 
 
 def default_draft_dir(target_name: str = DEFAULT_MODEL_NAME) -> Path:

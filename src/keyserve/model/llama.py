@@ -21,7 +21,7 @@ from keyserve.kernels.attention import paged_attention
 from keyserve.kernels.metadata import AttentionMetadata
 from keyserve.model.config import ModelConfig
 from keyserve.model.kv_cache import KVCache, allocate_kv_cache
-from keyserve.model.matmul import linear
+from keyserve.model.matmul import linear, use_cpu_gemv_layout
 from keyserve.model.norm import RMSNorm
 from keyserve.model.parallel import (
     AllReduce,
@@ -219,6 +219,7 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(self._expected_targets()) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        use_cpu_gemv_layout(self)
 
     _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
     _QKV = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v"}

@@ -46,3 +46,18 @@ def linear(
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def use_cpu_gemv_layout(module: torch.nn.Module) -> None:
+    """Store the module's float32 CPU matrices column-major: ``[out, in]`` views of ``[in, out]``
+    contiguous storage. Values and shapes are unchanged; ``F.linear`` then hands the BLAS a
+    non-transposed ``[in, out]`` operand, whose matrix-vector product streams the weights
+    markedly faster here: measured on this 2-core AVX2 CPU over SmolLM2's 30 layers, 23 vs
+    29 ms at 1 row, 35 vs 50 ms at 2 rows, equal from 4 rows on; the 49152-row LM head at 1 row
+    4.7 vs 8.5 ms. Decode at small batch is bound by exactly that stream. Embedding lookups
+    read a strided row, which costs nothing measurable at decode and little next to a prefill
+    chunk's matmuls."""
+    for param in module.parameters():
+        if param.dim() == 2 and param.dtype == torch.float32 and param.device.type == "cpu":
+            if param.stride() == (param.shape[1], 1):  # row-major: relayout once
+                param.data = param.data.t().contiguous().t()

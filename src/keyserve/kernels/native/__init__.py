@@ -1,0 +1,101 @@
+"""Native CPU kernels: C sources compiled on first use with the system's C compiler.
+
+Why not a torch C++ extension: those include the torch headers and take a minute to build on
+two cores; these are plain C with OpenMP, built in about a second, loaded with ``ctypes``, and
+called with raw pointers. The shared library links ``libgomp.so.1``, the OpenMP runtime torch
+has already loaded, so both share one thread pool.
+
+Built libraries are cached under ``$KEYSERVE_CACHE_DIR/native`` (default
+``~/.cache/keyserve/native``), keyed by the source, the compiler and the CPU's flags, so a
+different machine rebuilds rather than running code tuned for another CPU. Without a compiler,
+or with ``KEYSERVE_NATIVE_KERNELS=0``, :func:`library` returns ``None`` and callers use the
+pure-torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("paged_decode.c",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KEYSERVE_CACHE_DIR") or os.path.join(Path.home(), ".cache", "keyserve")
+    return Path(root) / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def enabled() -> bool:
+    return os.environ.get("KEYSERVE_NATIVE_KERNELS", "1") not in ("0", "false", "no")
+
+
+def _build(compiler: str, out: Path) -> None:
+    sources = [str(Path(__file__).with_name(name)) for name in SOURCES]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *CFLAGS, *sources, "-o", tmp, "-lm"], check=True,
+                       capture_output=True, text=True, timeout=300)
+        os.replace(tmp, out)  # atomic: concurrent builders (test workers, TP ranks) race safely
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, building them if needed; ``None`` where that is not possible."""
+    if not enabled():
+        return None
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        log.warning("keyserve: no C compiler found; CPU attention uses the pure-torch path")
+        return None
+    key = hashlib.sha256()
+    for name in SOURCES:
+        key.update(Path(__file__).with_name(name).read_bytes())
+    key.update(" ".join((compiler, *CFLAGS, _cpu_flags())).encode())
+    path = _cache_dir() / f"keyserve_native_{key.hexdigest()[:16]}.so"
+    try:
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("keyserve: building the native CPU kernels failed (%s); using the "
+                    "pure-torch path", detail)
+        return None
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i, f, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_uint64
+    lib.keyserve_paged_decode.restype = None
+    lib.keyserve_paged_decode.argtypes = [
+        p, p, p, i, p, i, p, i, i, i, i, i, f, i, p, i, p, p, u64, p, i, i,
+    ]
+    lib.keyserve_write_kv.restype = None
+    lib.keyserve_write_kv.argtypes = [p, p, p, p, p, i, i, i, i, i, i]

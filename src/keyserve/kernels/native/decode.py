@@ -1,0 +1,87 @@
+"""torch-facing wrapper of the native paged decode kernel (``paged_decode.c``)."""
+
+from __future__ import annotations
+
+import torch
+
+from keyserve.kernels.native import library
+
+_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# Below this many (sequence, kv-head, slot) rows one thread is faster: waking the OpenMP team
+# costs more than it saves (batch-1 decode of a short chat: ~170 vs ~70 µs per layer here).
+PARALLEL_MIN_ROWS = 8192
+
+
+def _threads(rows: int) -> int:
+    return torch.get_num_threads() if rows >= PARALLEL_MIN_ROWS else 1
+
+
+def supports(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+) -> bool:
+    """True where the native kernel can take this call (CPU, float32/bf16 cache, contiguous)."""
+    return (
+        query.device.type == "cpu"
+        and k_cache.dtype in _CACHE_DTYPES
+        and k_cache.is_contiguous()
+        and library() is not None
+    )
+
+
+def paged_decode_attention_native(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
+    context_lens: torch.Tensor,  # [num_seqs] int: filled slots per sequence
+    scale: float,
+    sliding_window: int | None = None,
+    score_mode: str | None = None,
+    tau: torch.Tensor | None = None,  # [num_seqs] float (gumbel only)
+    uniforms: torch.Tensor | None = None,  # [num_seqs, num_heads, max_context] (tests)
+    max_context: int | None = None,  # max(context_lens) when the caller knows it already
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Same contract as ``reference.paged_decode_attention_reference``: ``(out [num_seqs,
+    num_heads, head_dim] in query's dtype, scores [num_seqs, num_kv_heads, max_context] float32
+    or None)``. Gumbel noise is drawn from torch's generator (one 63-bit seed per call), so
+    ``torch.manual_seed`` makes it reproducible."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("native CPU kernels are unavailable (see keyserve.kernels.native)")
+    if score_mode not in (None, "softmax", "gumbel"):
+        raise ValueError(f"score_mode: expected None, 'softmax' or 'gumbel', got {score_mode!r}")
+    if score_mode == "gumbel" and tau is None:
+        raise ValueError("tau: score_mode='gumbel' needs the per-sequence temperature")
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if v_cache.dtype != k_cache.dtype or not v_cache.is_contiguous():
+        raise ValueError("v_cache must be contiguous with k_cache's dtype")
+    q = query.to(torch.float32).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    if max_context is None:
+        max_context = int(lens.max()) if num_seqs else 0
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
+    mode = {None: 0, "softmax": 1, "gumbel": 2}[score_mode]
+    scores = None
+    if mode:
+        scores = torch.empty(num_seqs, num_kv_heads, max_context, dtype=torch.float32)
+    tau_f = None if tau is None else tau.to(torch.float32).contiguous()
+    u = None
+    if uniforms is not None:
+        u = uniforms.to(torch.float32).contiguous()
+        if tuple(u.shape) != (num_seqs, num_heads, max_context):
+            raise ValueError(f"uniforms: expected {(num_seqs, num_heads, max_context)}, got {tuple(u.shape)}")
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if mode == 2 and u is None else 0
+    if num_seqs:
+        lib.keyserve_paged_decode(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _CACHE_DTYPES[k_cache.dtype],
+            tables.data_ptr(), tables.shape[1], lens.data_ptr(), num_seqs, num_heads,
+            num_kv_heads, head_dim, block_size, float(scale),
+            sliding_window if sliding_window is not None else 0, out.data_ptr(), mode,
+            None if tau_f is None else tau_f.data_ptr(), None if u is None else u.data_ptr(),
+            seed, None if scores is None else scores.data_ptr(), max_context,
+            _threads(num_seqs * num_kv_heads * max_context),
+        )
+    return out.to(query.dtype), scores

@@ -1,0 +1,203 @@
+/* Paged decode attention for the CPU, reading K/V straight from the block layout.
+ *
+ * Why: torch has no paged attention on the CPU, so the torch path gathers every sequence's
+ * blocks into a contiguous copy per layer per step before its fused SDPA. At batch 32-64 with
+ * contexts of a few hundred tokens that copy is as large as the attention itself, and with
+ * score output (KV budgets) the torch path materialises [seqs, heads, slots] logits in several
+ * passes. Decode attention is memory-bound: one pass over each sequence's K and V from the
+ * cache, with the group's query heads sharing every K/V row (GQA), is the least work there is.
+ *
+ * Semantics equal keyserve/kernels/reference.py (paged_decode_attention_reference):
+ *   out[s, h]  = softmax(q[s,h] . K[s, lo:len] * scale) @ V[s, lo:len]
+ *   lo         = max(0, len - window) with a sliding window, else 0
+ *   scores     = per (s, kv-head, slot) attention mass summed over the group's query heads:
+ *                softmax (H2O) or softmax((x + zeta) / tau) with zeta = -log(-log U) (Keyformer)
+ * Cache rows: k_cache[(block * block_size + offset) * num_kv_heads + kv_head][head_dim],
+ * float32 or bfloat16. Work is split over (sequence, kv-head) pairs with OpenMP.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TINY 1e-20f
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* splitmix64: a counter-based generator, so every (seq, head, slot) draws independently of
+ * thread scheduling and the result is reproducible from the seed. */
+static inline uint64_t mix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static inline float uniform_open01(uint64_t seed, uint64_t index) {
+    uint64_t r = mix64(seed ^ mix64(index));
+    return ((float)(r >> 40) + 0.5f) * (1.0f / 16777216.0f); /* in (0, 1) */
+}
+
+static inline float gumbel(float u) {
+    if (u < TINY) u = TINY;
+    if (u > 1.0f - 1e-7f) u = 1.0f - 1e-7f;
+    return -logf(-logf(u));
+}
+
+/* Row of (logical slot t) in the cache seen as [rows, head_dim]. */
+static inline int64_t cache_row(const int32_t *table, int t, int block_size, int num_kv_heads,
+                                int kv_head) {
+    int64_t block = table[t / block_size];
+    return (block * block_size + t % block_size) * num_kv_heads + kv_head;
+}
+
+/* Softmax of x[0:n] into p[0:n]; returns nothing for n == 0. */
+static void softmax_into(const float *x, float *p, int n) {
+    float m = -INFINITY;
+    for (int i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        p[i] = expf(x[i] - m);
+        sum += p[i];
+    }
+    float inv = 1.0f / sum;
+    for (int i = 0; i < n; i++) p[i] *= inv;
+}
+
+#define DEFINE_DECODE(NAME, T, LOAD)                                                           \
+    static void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *tables, \
+                     int max_blocks, const int32_t *lens, int num_seqs, int num_heads,          \
+                     int num_kv_heads, int head_dim, int block_size, float scale, int window,   \
+                     float *out, int score_mode, const float *tau, const float *uniforms,       \
+                     uint64_t seed, float *scores, int max_ctx, int num_threads) {              \
+        const int group = num_heads / num_kv_heads;                                            \
+        _Pragma("omp parallel num_threads(num_threads)") {                                                               \
+            float *logits = malloc(sizeof(float) * (size_t)group * (max_ctx > 0 ? max_ctx : 1)); \
+            float *probs = malloc(sizeof(float) * (size_t)group * (max_ctx > 0 ? max_ctx : 1));  \
+            float *noisy = score_mode == 2 ? malloc(sizeof(float) * (max_ctx > 0 ? max_ctx : 1)) \
+                                           : NULL;                                              \
+            float *row = malloc(sizeof(float) * head_dim);                                      \
+            float *qs = malloc(sizeof(float) * (size_t)group * head_dim);                       \
+            _Pragma("omp for schedule(dynamic, 1)")                                             \
+            for (int task = 0; task < num_seqs * num_kv_heads; task++) {                        \
+                const int s = task / num_kv_heads, kh = task % num_kv_heads;                    \
+                const int len = lens[s];                                                        \
+                const int lo = (window > 0 && len > window) ? len - window : 0;                 \
+                const int n = len - lo;                                                         \
+                const int32_t *table = tables + (int64_t)s * max_blocks;                        \
+                float *o = out + ((int64_t)s * num_heads + (int64_t)kh * group) * head_dim;     \
+                if (n <= 0) {                                                                   \
+                    memset(o, 0, sizeof(float) * (size_t)group * head_dim);                     \
+                    if (score_mode != 0)                                                        \
+                        memset(scores + ((int64_t)s * num_kv_heads + kh) * max_ctx, 0,          \
+                               sizeof(float) * max_ctx);                                        \
+                    continue;                                                                   \
+                }                                                                               \
+                for (int g = 0; g < group; g++)                                                 \
+                    for (int d = 0; d < head_dim; d++)                                          \
+                        qs[g * head_dim + d] =                                                  \
+                            q[((int64_t)s * num_heads + kh * group + g) * head_dim + d];        \
+                for (int t = lo; t < len; t++) {                                                \
+                    const T *kp = k_cache +                                                     \
+                        cache_row(table, t, block_size, num_kv_heads, kh) * head_dim;           \
+                    for (int d = 0; d < head_dim; d++) row[d] = LOAD(kp[d]);                    \
+                    for (int g = 0; g < group; g++) {                                           \
+                        const float *qg = qs + g * head_dim;                                    \
+                        float acc = 0.0f;                                                       \
+                        _Pragma("omp simd reduction(+ : acc)")                                  \
+                        for (int d = 0; d < head_dim; d++) acc += qg[d] * row[d];               \
+                        logits[(int64_t)g * n + (t - lo)] = acc * scale;                        \
+                    }                                                                           \
+                }                                                                               \
+                for (int g = 0; g < group; g++)                                                 \
+                    softmax_into(logits + (int64_t)g * n, probs + (int64_t)g * n, n);           \
+                memset(o, 0, sizeof(float) * (size_t)group * head_dim);                         \
+                for (int t = lo; t < len; t++) {                                                \
+                    const T *vp = v_cache +                                                     \
+                        cache_row(table, t, block_size, num_kv_heads, kh) * head_dim;           \
+                    for (int d = 0; d < head_dim; d++) row[d] = LOAD(vp[d]);                    \
+                    for (int g = 0; g < group; g++) {                                           \
+                        const float p = probs[(int64_t)g * n + (t - lo)];                       \
+                        float *og = o + g * head_dim;                                           \
+                        _Pragma("omp simd")                                                     \
+                        for (int d = 0; d < head_dim; d++) og[d] += p * row[d];                 \
+                    }                                                                           \
+                }                                                                               \
+                if (score_mode == 0) continue;                                                  \
+                float *sc = scores + ((int64_t)s * num_kv_heads + kh) * max_ctx;                \
+                memset(sc, 0, sizeof(float) * max_ctx);                                         \
+                for (int g = 0; g < group; g++) {                                               \
+                    const float *p = probs + (int64_t)g * n;                                    \
+                    if (score_mode == 2) {                                                      \
+                        const float inv_tau = 1.0f / tau[s];                                    \
+                        const int64_t h = (int64_t)s * num_heads + kh * group + g;              \
+                        for (int i = 0; i < n; i++) {                                           \
+                            const int64_t idx = h * max_ctx + lo + i;                           \
+                            const float u = uniforms ? uniforms[idx]                            \
+                                                     : uniform_open01(seed, (uint64_t)idx);     \
+                            noisy[i] = (logits[(int64_t)g * n + i] + gumbel(u)) * inv_tau;      \
+                        }                                                                       \
+                        softmax_into(noisy, noisy, n);                                          \
+                        p = noisy;                                                              \
+                    }                                                                           \
+                    for (int i = 0; i < n; i++) sc[lo + i] += p[i];                             \
+                }                                                                               \
+            }                                                                                   \
+            free(logits);                                                                       \
+            free(probs);                                                                        \
+            free(noisy);                                                                        \
+            free(row);                                                                          \
+            free(qs);                                                                           \
+        }                                                                                       \
+    }
+
+#define LOAD_F32(x) (x)
+#define LOAD_BF16(x) bf16_to_f32(x)
+DEFINE_DECODE(decode_f32, float, LOAD_F32)
+DEFINE_DECODE(decode_bf16, uint16_t, LOAD_BF16)
+
+/* Entry point (ctypes). cache_dtype: 0 = float32, 1 = bfloat16. score_mode: 0 none,
+ * 1 softmax, 2 gumbel. uniforms may be NULL (then drawn from seed). scores may be NULL when
+ * score_mode == 0. */
+void keyserve_paged_decode(const float *q, const void *k_cache, const void *v_cache,
+                           int cache_dtype, const int32_t *tables, int max_blocks,
+                           const int32_t *lens, int num_seqs, int num_heads, int num_kv_heads,
+                           int head_dim, int block_size, float scale, int window, float *out,
+                           int score_mode, const float *tau, const float *uniforms,
+                           uint64_t seed, float *scores, int max_ctx, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    if (cache_dtype == 1)
+        decode_bf16(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, tables, max_blocks,
+                    lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window,
+                    out, score_mode, tau, uniforms, seed, scores, max_ctx, num_threads);
+    else
+        decode_f32(q, (const float *)k_cache, (const float *)v_cache, tables, max_blocks, lens,
+                   num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, out,
+                   score_mode, tau, uniforms, seed, scores, max_ctx, num_threads);
+}
+
+/* Scatter new K/V rows into the paged cache: token i, kv-head h goes to slot
+ * slots[i * slot_stride + h * head_stride] (head_stride 0: one slot per token; a slot < 0 is
+ * skipped). key/value rows are [num_tokens, num_kv_heads, head_dim] contiguous in the cache's
+ * dtype; elem_size is that dtype's size in bytes. One memcpy per (token, head) row, instead of
+ * the boolean-mask index_put (a nonzero, an index and a scatter per tensor) torch needs. */
+void keyserve_write_kv(const void *key, const void *value, void *k_cache, void *v_cache,
+                       const int64_t *slots, int num_tokens, int num_kv_heads, int head_dim,
+                       int elem_size, int slot_stride, int head_stride) {
+    const size_t row = (size_t)head_dim * elem_size;
+    for (int i = 0; i < num_tokens; i++) {
+        for (int h = 0; h < num_kv_heads; h++) {
+            const int64_t slot = slots[(int64_t)i * slot_stride + (int64_t)h * head_stride];
+            if (slot < 0) continue;
+            const size_t src = ((size_t)i * num_kv_heads + h) * row;
+            const size_t dst = ((size_t)slot * num_kv_heads + h) * row;
+            memcpy((char *)k_cache + dst, (const char *)key + src, row);
+            memcpy((char *)v_cache + dst, (const char *)value + src, row);
+        }
+    }
+}
