@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from keyserve.core.sampling_params import KVPolicyName
 
@@ -49,6 +49,42 @@ class CacheConfig(_Strict):
     )
     default_kv_budget: float | None = Field(
         None, gt=0.0, description="KV budget for requests that do not give one."
+    )
+
+
+class PrefixStoreConfig(_Strict):
+    """The importance-aware multi-tier prefix KV store (IMPRESS, SPEC §5); off by default.
+
+    Flat options (``EngineConfig.from_flat``, ``LLM(...)``) name these ``prefix_store_<field>``,
+    and ``prefix_store=True`` turns the store on."""
+
+    enabled: bool = Field(False, description="Store finished/preempted prefixes and load them back.")
+    chunk_size: int | None = Field(
+        None, ge=1, description="Tokens per stored chunk (a multiple of block_size; default block_size)."
+    )
+    device_tokens: int = Field(
+        0, ge=0, description="Device tier: tokens (all layers) kept in blocks reserved from the KV pool."
+    )
+    host_tokens: int = Field(0, ge=0, description="Host tier: tokens (all layers) kept in host memory.")
+    disk_path: str | None = Field(
+        None, description="Directory for the disk tier (a private subdirectory is made); None: the temp dir."
+    )
+    disk_max_gb: float = Field(8.0, gt=0.0, description="Bound of the disk tier in GiB.")
+    top_k_fraction: float = Field(
+        0.3, gt=0.0, le=1.0, description="Share of a stored prefix's tokens marked important per layer."
+    )
+    importance_heads: int = Field(
+        3, ge=0, description="KV-heads per layer whose scores pick important tokens (0 = all)."
+    )
+    check_agreement: bool = Field(
+        True, description="Load all tokens of a layer whose sampled heads disagree (Jaccard < j^0.6)."
+    )
+    repack: bool = Field(True, description="Store important tokens densely in their own chunks.")
+    eviction: Literal["importance", "lru"] = Field(
+        "importance", description="Memory-tier priority: important tokens x accesses, or LRU."
+    )
+    load_important_only: bool = Field(
+        True, description="Requests under a KV budget load only important chunks (False: all)."
     )
 
 
@@ -143,7 +179,22 @@ class EngineConfig(_Strict):
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     spec: SpecConfig = Field(default_factory=SpecConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    prefix_store: PrefixStoreConfig = Field(default_factory=PrefixStoreConfig)
     seed: int = Field(0, ge=0, description="Seed of the global RNG (unseeded requests).")
+
+    @model_validator(mode="after")
+    def _prefix_store_fits(self) -> "EngineConfig":
+        ps = self.prefix_store
+        if not ps.enabled:
+            return self
+        if self.parallel.uses_ray:
+            raise ValueError("the prefix store runs with the in-process engine only (no Ray / TP)")
+        if self.spec.draft is not None:
+            raise ValueError("the prefix store does not support a draft model (its KV is not stored)")
+        chunk = ps.chunk_size or self.cache.block_size
+        if chunk % self.cache.block_size:
+            raise ValueError(f"prefix_store chunk_size {chunk} is not a multiple of block_size")
+        return self
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "EngineConfig":
@@ -158,6 +209,7 @@ class EngineConfig(_Strict):
             "model": {}, "cache": {}, "scheduler": {}, "spec": {}, "parallel": {}
         }
         top: dict[str, object] = {}
+        store: dict[str, object] = {}
         owners = {
             "model": ModelConfig.model_fields,
             "cache": CacheConfig.model_fields,
@@ -168,6 +220,12 @@ class EngineConfig(_Strict):
         for key, value in kwargs.items():
             if value is None:
                 continue
+            if key == "prefix_store" and isinstance(value, bool):
+                store["enabled"] = value
+                continue
+            if key.startswith("prefix_store_") and key[len("prefix_store_"):] in PrefixStoreConfig.model_fields:
+                store[key[len("prefix_store_"):]] = value
+                continue
             for section, fields in owners.items():
                 if key in fields:
                     sections[section][key] = value
@@ -177,6 +235,8 @@ class EngineConfig(_Strict):
                     top[key] = value
                 else:
                     raise ValueError(f"unknown engine option {key!r}")
+        if store:
+            top["prefix_store"] = store
         return cls.model_validate({**sections, **top})
 
 

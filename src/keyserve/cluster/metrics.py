@@ -42,6 +42,20 @@ _COUNTERS = [
     ("engine_steps", "Engine steps run.", "num_steps"),
 ]
 
+_STORE_TIERED = [
+    ("hits", "Prefix-store chunks read, by tier.", "{}_hits"),
+    ("bytes_read", "Prefix-store bytes read, by tier.", "{}_bytes_read"),
+    ("evictions", "Prefix-store evictions (chunks; disk: nodes), by tier.", "{}_evictions"),
+]
+_STORE_COUNTERS = [
+    ("lookups", "Admissions that looked up the prefix store.", "lookups"),
+    ("hit_tokens", "Prompt tokens covered by prefix-store loads.", "hit_tokens"),
+    ("importance_fallbacks", "Stored (prefix, layer) pairs whose sampled heads disagreed (load all).",
+     "importance_fallbacks"),
+    ("corrupt_chunks", "Damaged or missing disk chunks (treated as misses).", "corrupt_chunks"),
+    ("stored_tokens", "Tokens written to the prefix store.", "stored_tokens"),
+]
+
 
 class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
@@ -57,6 +71,21 @@ class _EngineCollector(Collector):
         for name, doc, attr in _COUNTERS:
             c = CounterMetricFamily(f"keyserve:{name}", doc, labels=["model_name"])
             c.add_metric([self.model_name], float(getattr(s, attr)))
+            yield c
+        yield from self._prefix_store(s.prefix_store)
+
+    def _prefix_store(self, ps: dict[str, int]):
+        """IMPRESS prefix-store counters, per tier where they have one (only when it is on)."""
+        if not ps:
+            return
+        for name, doc, key in _STORE_TIERED:
+            c = CounterMetricFamily(f"keyserve:prefix_store_{name}", doc, labels=["model_name", "tier"])
+            for tier in ("device", "host", "disk"):
+                c.add_metric([self.model_name, tier], float(ps.get(key.format(tier), 0)))
+            yield c
+        for name, doc, key in _STORE_COUNTERS:
+            c = CounterMetricFamily(f"keyserve:prefix_store_{name}", doc, labels=["model_name"])
+            c.add_metric([self.model_name], float(ps.get(key, 0)))
             yield c
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from typing import Callable
 
 from keyserve.core.block_pool import BlockPool, KVBlock
 from keyserve.core.sequence import Sequence
@@ -41,6 +42,9 @@ class BlockManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found there
+        # Called with a sequence about to lose its blocks (finish, abort, preemption) while its
+        # KV is still intact: the prefix store's chance to keep it.
+        self.on_free: Callable[[Sequence], None] | None = None
 
     # ----------------------------------------------------------------- queries
     @property
@@ -196,6 +200,8 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release all of a sequence's blocks, tail first so the tail is evicted first."""
+        if self.on_free is not None and seq.block_table:
+            self.on_free(seq)
         for block_id in reversed(seq.block_table):
             self.pool.release(self.pool.blocks[block_id])
         seq.block_table = []

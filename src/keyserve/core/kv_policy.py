@@ -365,6 +365,21 @@ class KVBudgetState:
             raise ValueError(f"scores cover {step_scores.shape[-1]} < {self.num_slots} slots")
         self.scores.add_(step_scores[..., : self.num_slots].to(self.device, torch.float32))
 
+    def restore(
+        self,
+        positions: torch.Tensor,  # [num_layers, num_kv_heads, n] int64 positions held in slots 0..n-1
+        scores: torch.Tensor,  # [num_layers, num_kv_heads, n] float accumulated scores
+        num_tokens: int,  # positions seen so far (the next token's position)
+    ) -> None:
+        """Start from tokens loaded from elsewhere (a prefix store) instead of computed here:
+        any subset of the positions before ``num_tokens``, the same count in every (layer, head)."""
+        n = positions.shape[-1]
+        self._reserve(n)
+        self._positions[..., :n] = positions.to(self.device)
+        self._scores[..., :n] = scores.to(self.device, torch.float32)
+        self.num_slots = n
+        self.num_tokens = num_tokens
+
     # -- decode --------------------------------------------------------------------------------
     def choose_victims(self, new_position: int | None = None) -> torch.Tensor:  # [L, H] int64
         """Slot per (layer, head) for the next token ("evict, then write"); updates the state."""

@@ -13,8 +13,10 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from keyserve.core.block_manager import BlockCopy, BlockManager
+from keyserve.core.block_pool import KVBlock
 from keyserve.core.sequence import Sequence, SequenceStatus
 
 
@@ -68,6 +70,12 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
 
+class PrefixLoader(Protocol):
+    def load(self, seq: Sequence, cached: list[KVBlock], token_budget: int) -> list[KVBlock]: ...
+
+    def unload(self, seq: Sequence) -> None: ...
+
+
 def _priority(seq: Sequence) -> tuple[float, int]:
     return (seq.arrival, seq.seq_id)
 
@@ -85,6 +93,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by priority (oldest first)
         self.num_preemptions = 0
+        # Attaches a stored prefix (KV loaded into fresh blocks) to a sequence being admitted:
+        # ``load(seq, cached_blocks, token_budget) -> cached_blocks`` and ``unload(seq)``.
+        self.prefix_loader: PrefixLoader | None = None
 
     # -------------------------------------------------------------- queueing
     def add(self, seq: Sequence) -> None:
@@ -158,12 +169,15 @@ class Scheduler:
             if seats + group > self.config.max_num_seqs and self.running:
                 break
             cached = bm.find_cached_prefix(seq)
-            uncomputed = seq.num_tokens - len(cached) * bm.block_size
+            if self.prefix_loader is not None:  # a stored prefix longer than the pool's hit
+                cached = self.prefix_loader.load(seq, cached, budget)
+            uncomputed = seq.num_uncomputed_tokens - len(cached) * bm.block_size
             n = min(uncomputed, budget)
-            if self._wait_for_whole(uncomputed, n):
-                break
-            copies = bm.allocate_slots(seq, n, cached)
+            waits = self._wait_for_whole(uncomputed, n)
+            copies = None if waits else bm.allocate_slots(seq, n, cached)
             if copies is None:
+                if self.prefix_loader is not None:
+                    self.prefix_loader.unload(seq)
                 break  # head of line waits: FCFS keeps admission fair
             bm.note_prefix_query(seq.num_tokens)
             plan.blocks_to_copy += copies

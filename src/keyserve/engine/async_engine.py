@@ -68,6 +68,7 @@ class EngineStats:
     prompt_tokens: int = 0  # over finished requests
     generation_tokens: int = 0
     num_steps: int = 0
+    prefix_store: dict[str, int] = field(default_factory=dict)  # empty when the store is off
 
     @property
     def kv_cache_usage(self) -> float:
@@ -506,6 +507,7 @@ class AsyncLLMEngine:
             prompt_tokens=c.prompt_tokens,
             generation_tokens=c.generation_tokens,
             num_steps=e.num_steps,
+            prefix_store=e.prefix_store_stats() if hasattr(e, "prefix_store_stats") else {},
         )
 
     # ------------------------------------------------- back on the event loop

@@ -94,6 +94,8 @@ class KVCore:
         self.known: set[int] = set()  # sequences whose SeqInfo the model side holds
         self.inflight: _InFlight | None = None
         self.num_steps = 0
+        # The prefix store: told of a budgeted prompt just computed, before it is compacted.
+        self.prefix_hook: object | None = None
 
     # -------------------------------------------------------------- requests
     def add(
@@ -238,6 +240,8 @@ class KVCore:
         for seq in seqs:
             if seq.is_finished or not seq.kv_budgeted or seq.kv_slot_cap is not None:
                 continue
+            if self.prefix_hook is not None:
+                self.prefix_hook.on_prompt_computed(seq)  # type: ignore[attr-defined]
             spec = budget_spec(seq, self.budget_defaults)
             assert spec is not None and spec.budget is not None
             k = spec.budget

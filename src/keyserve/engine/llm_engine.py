@@ -77,6 +77,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 class LLMEngine:
+    prefix_store: Any = None  # EnginePrefixStore when config.prefix_store.enabled
+
     def __init__(self, config: EngineConfig | None = None, loaded: Any | None = None) -> None:
         from keyserve.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
         from keyserve.model.loader import load_model
@@ -121,6 +123,10 @@ class LLMEngine:
         self._init_front(config, arch, self.tokenizer, self.max_model_len, core, spec)
         self.block_manager = core.block_manager
         self.scheduler = core.scheduler
+        if config.prefix_store.enabled:  # IMPRESS: hooks itself into the core and the pool
+            from keyserve.engine.prefix_store import EnginePrefixStore
+
+            self.prefix_store = EnginePrefixStore(config.prefix_store, core, self.runner, budget_defaults)
 
     def _init_front(self, config: EngineConfig, arch: Any, tokenizer: Any, max_model_len: int,
                     core: Any, spec: Any) -> None:
@@ -481,6 +487,16 @@ class LLMEngine:
         return out
 
     # ---------------------------------------------------------------- helpers
+    def prefix_store_stats(self) -> dict[str, int]:
+        """Counters of the prefix store (hits, bytes read and evictions per tier, importance
+        fallbacks, corrupt chunks); empty when it is off."""
+        return self.prefix_store.stats() if self.prefix_store is not None else {}
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise (the prefix store's disk directory)."""
+        if self.prefix_store is not None:
+            self.prefix_store.close()
+
     def run_until_done(self) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():

@@ -1,0 +1,84 @@
+"""Repacking within a radix node: important tokens first, densely, in their own chunks.
+
+The node's tokens are stored per layer in *storage order*; ``order[l, s]`` (the mapping list)
+is the logical index (offset in the node) of the token at storage index ``s``. Logical order is
+untouched, so prefix matching never sees the permutation. Storage order puts the important
+tokens first, then the rest, each group by descending score, ties by logical index, so the
+top-c tokens of a layer are always its first ``ceil(c / chunk_size)`` chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def storage_order(
+    important: torch.Tensor,  # [num_layers, n] bool
+    scores: torch.Tensor | None,  # [num_layers, n] float (summed over the sampled heads) or None
+    repack: bool = True,
+) -> torch.Tensor:  # [num_layers, n] int64: storage index -> logical index
+    num_layers, n = important.shape
+    ident = torch.arange(n).expand(num_layers, n).clone()
+    if not repack:
+        return ident
+    order = ident
+    if scores is not None:
+        order = torch.sort(scores.float(), dim=1, descending=True, stable=True).indices
+    rank = (~important).gather(1, order).to(torch.int8)  # 0 = important
+    return order.gather(1, torch.sort(rank, dim=1, stable=True).indices)
+
+
+def inverse_order(
+    order: torch.Tensor,  # [num_layers, n] int64 storage -> logical
+) -> torch.Tensor:  # [num_layers, n] int64 logical -> storage
+    inv = torch.empty_like(order)
+    ar = torch.arange(order.shape[1]).expand_as(order)
+    return inv.scatter_(1, order, ar)
+
+
+def to_storage(
+    data: torch.Tensor,  # [num_layers, n, ...] in logical order
+    order: torch.Tensor,  # [num_layers, n] int64
+) -> torch.Tensor:  # [num_layers, n, ...] in storage order
+    idx = order.view(*order.shape, *([1] * (data.dim() - 2))).expand_as(data)
+    return data.gather(1, idx)
+
+
+def to_logical(
+    stored: torch.Tensor,  # [num_layers, n, ...] in storage order
+    order: torch.Tensor,  # [num_layers, n] int64
+) -> torch.Tensor:  # [num_layers, n, ...] in logical order
+    idx = order.view(*order.shape, *([1] * (stored.dim() - 2))).expand_as(stored)
+    return torch.empty_like(stored).scatter_(1, idx, stored)
+
+
+def chunk_counts(
+    order: torch.Tensor,  # [num_layers, n] int64, n a multiple of chunk_size
+    important: torch.Tensor,  # [num_layers, n] bool (logical order)
+    chunk_size: int,
+) -> torch.Tensor:  # [num_layers, n // chunk_size] int64: important tokens per stored chunk
+    num_layers, n = order.shape
+    return important.gather(1, order).view(num_layers, n // chunk_size, chunk_size).sum(-1)
+
+
+def select_rows(
+    order: torch.Tensor,  # [num_layers, n] int64 storage -> logical
+    needed: torch.Tensor,  # [num_layers, n] bool (logical): tokens the load must bring
+    eligible: torch.Tensor,  # [num_layers, n] bool (logical): tokens it may bring (needed ⊆ it)
+) -> tuple[torch.Tensor, torch.Tensor]:  # logical [L, c] ascending, storage [L, c]
+    """The same number c of tokens in every layer (the attention kernels take one context
+    length per sequence): each layer's needed tokens, topped up to the largest count with its
+    next eligible tokens in storage order (the next most important)."""
+    num_layers, _ = order.shape
+    need_s = needed.gather(1, order)
+    elig_s = eligible.gather(1, order)
+    counts = need_s.sum(1)
+    c = int(counts.max()) if num_layers else 0
+    extra = elig_s & ~need_s
+    take = need_s | (extra & (extra.cumsum(1) <= (c - counts)[:, None]))
+    if not bool((take.sum(1) == c).all()):
+        raise ValueError("not enough eligible tokens to give every layer the same count")
+    storage = take.nonzero()[:, 1].view(num_layers, c)
+    logical = order.gather(1, storage)
+    logical, perm = torch.sort(logical, dim=1)
+    return logical, storage.gather(1, perm)

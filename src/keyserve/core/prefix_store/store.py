@@ -1,0 +1,512 @@
+"""The importance-aware multi-tier prefix KV store (IMPRESS, SPEC §5), apart from the engine.
+
+A radix tree indexes stored prefixes; each node's KV is kept per layer in chunks, repacked so
+the node's important tokens fill its first chunks. Every chunk lives on disk (a full copy, so
+evicting from a faster tier never writes back) and maybe in one of the bounded memory tiers
+(device: slots in the engine's block pool; host: a chunk pool), which evict their
+lowest-priority chunk first: priority = important tokens in the chunk × access count (or the
+last access, for the LRU baseline). Every access counts and may promote the chunk upwards.
+
+The engine hands in KV to store (``insert``) and asks for prefixes (``load``): all tokens, or
+only the important ones for a request under a KV budget. Corrupt or missing disk chunks are
+counted, their nodes dropped, and the lookup retried: they are a miss, never served.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Literal
+
+import torch
+
+from keyserve.core.prefix_store.disk import CorruptChunk, DiskTier
+from keyserve.core.prefix_store.importance import select_important
+from keyserve.core.prefix_store.radix import RadixNode, RadixTree, Split
+from keyserve.core.prefix_store.repack import (
+    chunk_counts,
+    select_rows,
+    storage_order,
+    to_logical,
+    to_storage,
+)
+from keyserve.core.prefix_store.tiers import ChunkKey, TierIndex
+
+TIERS = ("device", "host", "disk")
+# [num_tokens, 2, num_kv_heads, head_dim] per layer, stacked: [num_layers, num_tokens, 2, H, D]
+ReadKV = Callable[[int, int], torch.Tensor]
+
+
+@dataclass
+class StoreSettings:
+    chunk_size: int
+    top_k_fraction: float = 0.3
+    importance_heads: int = 3  # kv-heads per layer whose scores pick important tokens; 0 = all
+    check_agreement: bool = True  # the Jaccard test; off: never fall back to loading all
+    repack: bool = True
+    eviction: Literal["importance", "lru"] = "importance"
+
+
+@dataclass
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+@dataclass
+class PrefixStoreStats:
+    lookups: int = 0
+    hits: int = 0  # lookups that loaded a prefix
+    hit_tokens: int = 0  # prefix tokens those loads covered
+    loaded_tokens: int = 0  # tokens whose KV they brought, per layer
+    device_hits: int = 0  # chunks read from each tier
+    host_hits: int = 0
+    disk_hits: int = 0
+    device_bytes_read: int = 0
+    host_bytes_read: int = 0
+    disk_bytes_read: int = 0
+    device_evictions: int = 0  # chunks pushed out of a memory tier
+    host_evictions: int = 0
+    disk_evictions: int = 0  # nodes dropped to bound the directory
+    promotions: int = 0  # chunks moved to a faster tier on access
+    importance_layers: int = 0  # (stored prefix, layer) pairs judged
+    importance_fallbacks: int = 0  # of them, marked "load all" (heads disagree)
+    corrupt_chunks: int = 0  # damaged or missing on disk: treated as misses
+    stored_tokens: int = 0
+    disk_bytes_written: int = 0
+    splits: int = 0
+    relayout_bytes_read: int = 0  # read to re-layout split nodes (not a request's load)
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(eq=False)
+class NodeData:
+    order: torch.Tensor  # [L, n] int64: the mapping list, storage index -> logical index
+    important: torch.Tensor | None  # [L, n] bool (logical), None = importance unknown
+    load_all: torch.Tensor | None  # [L] bool
+    scores: torch.Tensor | None  # [L, H, n] float32 accumulated attention (logical)
+    weight: list[list[int]]  # [L][C] important tokens per stored chunk (the priority weight)
+    freq: list[list[int]]  # [L][C] accesses
+    tick: list[list[int]]  # [L][C] last access
+    checksums: torch.Tensor | None = None  # [L, C] int64 CRC-32 (set once on disk)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.weight[0])
+
+
+@dataclass
+class LoadedPrefix:
+    num_tokens: int  # tokens [0, num_tokens) are now covered
+    start: int  # tokens before ``start`` were not loaded (the caller had them)
+    positions: torch.Tensor  # [L, C] int64 positions loaded per layer, ascending
+    kv: torch.Tensor  # [L, C, 2, H, D]
+    scores: torch.Tensor | None  # [L, H, C] float32 stored scores (importance loads)
+    exact: bool  # every token of [start, num_tokens) in every layer
+    tiers: dict[str, int] = field(default_factory=dict)  # chunks read per tier
+
+
+class PrefixStore:
+    def __init__(
+        self,
+        settings: StoreSettings,
+        layout: KVLayout,
+        disk: DiskTier,
+        device: Any | None = None,  # BlockPoolChunks (read/write/slots_per_layer) or None
+        host: Any | None = None,  # HostChunks or None
+    ) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.chunk = settings.chunk_size
+        self.tree = RadixTree(settings.chunk_size)
+        self.disk = disk
+        self.data = {"device": device, "host": host}
+        L = layout.num_layers
+        self.index = {
+            "device": TierIndex("device", L, device.slots_per_layer if device is not None else 0),
+            "host": TierIndex("host", L, host.slots_per_layer if host is not None else 0),
+        }
+        self.stats = PrefixStoreStats()
+        self._ticks = itertools.count(1)
+        self.chunk_bytes = disk.chunk_bytes
+        self.last_importance: Any = None  # the latest judgement (inspection, benchmarks)
+
+    # --------------------------------------------------------------- priority
+    def _priority(self, nd: NodeData, layer: int, c: int) -> tuple:
+        if self.settings.eviction == "lru":
+            return (nd.tick[layer][c],)
+        return (nd.weight[layer][c] * nd.freq[layer][c], nd.tick[layer][c])
+
+    def _where(self, key: ChunkKey) -> str:
+        for tier in ("device", "host"):
+            if key in self.index[tier]:
+                return tier
+        return "disk"
+
+    # ------------------------------------------------------------------ reads
+    def _read_rows(
+        self,
+        node: RadixNode,
+        storage: torch.Tensor,  # [L, c] storage indices to bring, per layer
+        access: bool,
+    ) -> torch.Tensor:  # [L, c, 2, H, D]
+        """Read the chunks holding the wanted rows, each from the fastest tier that has it."""
+        nd: NodeData = node.payload
+        L, c = storage.shape
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
+        out = torch.empty(L, c, 2, H, D, dtype=self.layout.dtype)
+        for layer in range(L):
+            ids, inv = torch.unique(storage[layer] // self.chunk, sorted=True, return_inverse=True)
+            ids_list = ids.tolist()
+            buf = torch.empty(len(ids_list), 2, self.chunk, H, D, dtype=self.layout.dtype)
+            groups: dict[str, tuple[list[int], list[int]]] = {t: ([], []) for t in TIERS}
+            for j, cid in enumerate(ids_list):
+                tier = self._where((node.node_id, layer, cid))
+                groups[tier][0].append(j)
+                groups[tier][1].append(cid)
+            for tier, (rows, cids) in groups.items():
+                if not rows:
+                    continue
+                if tier == "disk":
+                    assert nd.checksums is not None
+                    got = self.disk.read_chunks(node.node_id, layer, nd.num_chunks, cids, nd.checksums)
+                else:
+                    slots = [self.index[tier].slot((node.node_id, layer, cid)) for cid in cids]
+                    got = self.data[tier].read(layer, slots)
+                buf[rows] = got.to("cpu")
+                nbytes = len(rows) * self.chunk_bytes
+                if access:
+                    setattr(self.stats, f"{tier}_hits", getattr(self.stats, f"{tier}_hits") + len(rows))
+                    setattr(self.stats, f"{tier}_bytes_read", getattr(self.stats, f"{tier}_bytes_read") + nbytes)
+                else:
+                    self.stats.relayout_bytes_read += nbytes
+            if access:
+                self._access(node, layer, ids_list, buf)
+            rows_of = buf.permute(0, 2, 1, 3, 4).reshape(-1, 2, H, D)  # [chunks * chunk, 2, H, D]
+            out[layer] = rows_of[inv * self.chunk + storage[layer] % self.chunk]
+        return out
+
+    def _access(
+        self,
+        node: RadixNode,
+        layer: int,
+        chunk_ids: list[int],
+        data: torch.Tensor,  # [len(chunk_ids), 2, chunk, H, D]
+    ) -> None:
+        """Count the access; promote chunks that now outrank a faster tier's minimum."""
+        nd: NodeData = node.payload
+        dev, host = self.index["device"], self.index["host"]
+        for j, cid in enumerate(chunk_ids):
+            key = (node.node_id, layer, cid)
+            nd.freq[layer][cid] += 1
+            nd.tick[layer][cid] = next(self._ticks)
+            prio = self._priority(nd, layer, cid)
+            src = self._where(key)
+            if src == "device":
+                dev.update(key, prio)
+                continue
+            if src == "host":
+                host.update(key, prio)
+            if dev.would_admit(layer, prio):
+                if src == "host":
+                    host.remove(key)
+                self._place(key, prio, data[j : j + 1], "device")
+                self.stats.promotions += 1
+            elif src == "disk" and host.would_admit(layer, prio):
+                self._place(key, prio, data[j : j + 1], "host")
+                self.stats.promotions += 1
+
+    def _place(
+        self,
+        key: ChunkKey,
+        prio: tuple,
+        data: torch.Tensor,  # [1, 2, chunk, H, D]
+        tier: str,
+    ) -> bool:
+        """Admit one chunk to ``tier``; a chunk it evicts from the device tier drops to host."""
+        slot, evicted = self.index[tier].admit(key, prio)
+        if slot is None:
+            return False
+        layer = key[1]
+        if evicted is not None:
+            if tier == "device":
+                victim, vslot = evicted
+                vdata = self.data["device"].read(layer, [vslot])
+                vnd: NodeData = self.tree.nodes[victim[0]].payload
+                vprio = self._priority(vnd, layer, victim[2])
+                if self.index["host"].would_admit(layer, vprio):
+                    self._place(victim, vprio, vdata, "host")
+        self.data[tier].write(layer, [slot], data)
+        return True
+
+    # ------------------------------------------------------------------ loads
+    def _match(self, tokens: list[int], max_tokens: int | None, need_scores: bool) -> list:
+        path = self.tree.match(tokens, max_tokens)
+        if need_scores:  # a score-driven KV budget needs the stored attention scores
+            for i, step in enumerate(path):
+                if step.node.payload.scores is None:
+                    return path[:i]
+        return path
+
+    def match_length(self, tokens: list[int], max_tokens: int | None = None, need_scores: bool = False) -> int:
+        return sum(s.num_tokens for s in self._match(tokens, max_tokens, need_scores))
+
+    def load(
+        self,
+        tokens: list[int],
+        max_tokens: int,
+        start: int = 0,
+        important_only: bool = False,
+        need_scores: bool = False,
+    ) -> LoadedPrefix | None:
+        """KV of the longest stored prefix of ``tokens`` (at most ``max_tokens``) beyond
+        ``start``: every token, or with ``important_only`` each node's important tokens (all of
+        them in "load all" layers, and as many in every layer). With ``need_scores`` only nodes
+        stored with attention scores count. None if nothing is stored."""
+        while True:
+            path = self._match(tokens, max_tokens, need_scores)
+            m = sum(s.num_tokens for s in path)
+            if m <= start:
+                return None
+            before = {t: getattr(self.stats, f"{t}_hits") for t in TIERS}
+            try:
+                pieces = self._load_path(path, start, important_only)
+            except CorruptChunk as e:
+                self.stats.corrupt_chunks += 1
+                bad = self.tree.nodes.get(e.node_id)
+                if bad is not None:
+                    self._drop(bad)
+                continue
+            break
+        positions = torch.cat([p for p, _, _ in pieces], dim=1)
+        kv = torch.cat([k for _, k, _ in pieces], dim=1)
+        scores = None
+        if important_only:
+            scores = torch.cat([s for _, _, s in pieces], dim=2)
+        exact = positions.shape[1] == m - start
+        self.stats.hits += 1
+        self.stats.hit_tokens += m - start
+        self.stats.loaded_tokens += positions.shape[1]
+        tiers = {t: getattr(self.stats, f"{t}_hits") - before[t] for t in TIERS}
+        return LoadedPrefix(m, start, positions, kv, scores, exact, tiers)
+
+    def _load_path(
+        self, path: list, start: int, important_only: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        L = self.layout.num_layers
+        pieces = []
+        for step in path:
+            node = step.node
+            nd: NodeData = node.payload
+            n = len(node.tokens)
+            lo = max(start - node.start, 0)
+            if lo >= step.num_tokens:
+                continue
+            ar = torch.arange(n)
+            eligible = ((ar >= lo) & (ar < step.num_tokens)).expand(L, n)
+            needed = eligible
+            if important_only and nd.important is not None:
+                assert nd.load_all is not None
+                needed = eligible & (nd.important | nd.load_all[:, None])
+            logical, storage = select_rows(nd.order, needed, eligible)
+            kv = self._read_rows(node, storage, access=True)
+            if nd.scores is not None:
+                idx = logical[:, None, :].expand(L, nd.scores.shape[1], -1)
+                scores = nd.scores.gather(2, idx)
+            else:
+                scores = torch.zeros(L, self.layout.num_kv_heads, logical.shape[1])
+            pieces.append((logical + node.start, kv, scores))
+        return pieces
+
+    # ---------------------------------------------------------------- inserts
+    def insert(
+        self,
+        tokens: list[int],
+        read_kv: ReadKV,
+        scores: torch.Tensor | None = None,  # [L, H, >= aligned len] accumulated attention
+    ) -> int:
+        """Store the chunk-aligned part of ``tokens`` (exact KV, read through ``read_kv(start,
+        end)`` for the part not stored yet). Returns the number of tokens newly stored."""
+        m = self.tree.aligned(len(tokens))
+        if m == 0:
+            return 0
+        while True:
+            path = self.tree.match(tokens, m)
+            old_logical = None
+            if path and not path[-1].full:
+                try:
+                    old_logical = self._read_logical(path[-1].node)
+                except CorruptChunk as e:
+                    self.stats.corrupt_chunks += 1
+                    self._drop(self.tree.nodes[e.node_id])
+                    continue
+            break
+        nodes, new, splits = self.tree.insert_path(tokens[:m])
+        for split in splits:
+            assert old_logical is not None
+            self._relayout(split, old_logical)
+        imp = None
+        if scores is not None and (new is not None or any(n.payload.scores is None for n in nodes)):
+            s = self.settings
+            imp = select_important(scores[..., :m], s.top_k_fraction, s.importance_heads, s.check_agreement)
+            self.stats.importance_layers += self.layout.num_layers
+            self.stats.importance_fallbacks += imp.num_fallbacks
+            self.last_importance = imp
+            for node in nodes:  # stored without scores: now they are known, repack the node
+                if node.payload.scores is None:
+                    self._upgrade(node, imp, scores, read_kv)
+        if new is None:
+            return 0
+        a, b = new.start, new.end
+        kv = read_kv(a, b).to("cpu", self.layout.dtype)  # [L, T, 2, H, D]
+        if imp is not None:
+            assert scores is not None
+            nd = self._node_data(imp.important[:, a:b], imp.load_all, scores[..., a:b].float().cpu().clone())
+        else:
+            nd = self._node_data(None, None, None, n=b - a)
+        new.payload = nd
+        protect = set(nodes) | {new} | {n for sp in splits for n in (sp.head, sp.tail)}
+        if not self._make_disk_room(self._node_bytes(new), protect):
+            self.tree.remove_leaf(new)
+            return 0
+        self._write(new, to_storage(kv, nd.order))
+        self.stats.stored_tokens += b - a
+        return b - a
+
+    def _node_data(
+        self,
+        important: torch.Tensor | None,  # [L, n] bool
+        load_all: torch.Tensor | None,  # [L] bool
+        scores: torch.Tensor | None,  # [L, H, n]
+        freq: list[int] | None = None,  # per layer, for a re-laid-out node
+        n: int | None = None,
+    ) -> NodeData:
+        L = self.layout.num_layers
+        if important is None:
+            n = n if n is not None else 0
+            order = torch.arange(n).expand(L, n).clone()
+            weight = torch.full((L, n // self.chunk), self.chunk, dtype=torch.int64)
+        else:
+            assert load_all is not None and scores is not None
+            n = important.shape[1]
+            h = scores.shape[1] if self.settings.importance_heads <= 0 else self.settings.importance_heads
+            order = storage_order(important, scores[:, :h].sum(1), self.settings.repack)
+            weight = chunk_counts(order, important | load_all[:, None], self.chunk)
+        C = n // self.chunk
+        tick = next(self._ticks)
+        f = freq or [1] * L
+        return NodeData(
+            order, important, load_all, scores, weight.tolist(),
+            [[f[l]] * C for l in range(L)], [[tick] * C for _ in range(L)],
+        )
+
+    def _node_bytes(self, node: RadixNode) -> int:
+        return self.layout.num_layers * (len(node.tokens) // self.chunk) * self.chunk_bytes
+
+    def _write(
+        self,
+        node: RadixNode,
+        stored: torch.Tensor,  # [L, n, 2, H, D] in storage order
+    ) -> None:
+        """Full copy to disk, then into the memory tiers where the chunks rank high enough."""
+        nd: NodeData = node.payload
+        L, n = stored.shape[:2]
+        C = n // self.chunk
+        chunks = stored.view(L, C, self.chunk, 2, *stored.shape[3:]).permute(0, 1, 3, 2, 4, 5)
+        nd.checksums = self.disk.write_node(node.node_id, chunks)
+        self.stats.disk_bytes_written += self.disk.sizes[node.node_id]
+        for layer in range(L):
+            for c in range(C):
+                key = (node.node_id, layer, c)
+                prio = self._priority(nd, layer, c)
+                for tier in ("device", "host"):
+                    if self.index[tier].would_admit(layer, prio):
+                        self._place(key, prio, chunks[layer, c : c + 1], tier)
+                        break
+
+    def _read_logical(self, node: RadixNode) -> torch.Tensor:  # [L, n, 2, H, D] logical order
+        nd: NodeData = node.payload
+        L, n = nd.order.shape
+        stored = self._read_rows(node, torch.arange(n).expand(L, n), access=False)
+        return to_logical(stored, nd.order)
+
+    def _relayout(self, split: Split, logical: torch.Tensor) -> None:
+        """A split node's halves are repacked on their own (repacking never crosses nodes)."""
+        old: NodeData = split.old.payload
+        self._forget(split.old)
+        self.stats.splits += 1
+        d = len(split.head.tokens)
+        freq = [max(1, round(sum(f) / len(f))) for f in old.freq]
+        for part, lo, hi in ((split.head, 0, d), (split.tail, d, d + len(split.tail.tokens))):
+            if old.important is None:
+                nd = self._node_data(None, None, None, freq, n=hi - lo)
+            else:
+                assert old.scores is not None
+                nd = self._node_data(old.important[:, lo:hi], old.load_all, old.scores[..., lo:hi], freq)
+            part.payload = nd
+            self._write(part, to_storage(logical[:, lo:hi], nd.order))
+
+    def _upgrade(self, node: RadixNode, imp: Any, scores: torch.Tensor, read_kv: ReadKV) -> None:
+        """Give a node stored without scores the importance of a prefix through it, and
+        repack it (its KV comes from the caller, exact, so nothing is read back)."""
+        old: NodeData = node.payload
+        freq = [max(1, round(sum(f) / len(f))) for f in old.freq]
+        a, b = node.start, node.end
+        kv = read_kv(a, b).to("cpu", self.layout.dtype)
+        self._forget(node)
+        nd = self._node_data(imp.important[:, a:b], imp.load_all, scores[..., a:b].float().cpu(), freq)
+        node.payload = nd
+        self._write(node, to_storage(kv, nd.order))
+
+    # --------------------------------------------------------------- removal
+    def _forget(self, node: RadixNode) -> None:
+        """Drop a node's chunks from every tier (the node is already out of the tree)."""
+        nd: NodeData | None = node.payload
+        if nd is None:
+            return
+        for layer in range(self.layout.num_layers):
+            for c in range(nd.num_chunks):
+                key = (node.node_id, layer, c)
+                for tier in ("device", "host"):
+                    if key in self.index[tier]:
+                        self.index[tier].remove(key)
+        self.disk.delete(node.node_id)
+        node.payload = None
+
+    def _drop(self, node: RadixNode) -> None:
+        """Remove ``node`` and its subtree (corrupt data, or disk space)."""
+        for n in self.tree.remove_subtree(node):
+            self._forget(n)
+
+    def _node_priority(self, node: RadixNode) -> tuple:
+        nd: NodeData = node.payload
+        last = max(max(t) for t in nd.tick)
+        if self.settings.eviction == "lru":
+            return (last,)
+        score = sum(w * f for wl, fl in zip(nd.weight, nd.freq) for w, f in zip(wl, fl))
+        return (score, last)
+
+    def _make_disk_room(self, nbytes: int, protect: set[RadixNode]) -> bool:
+        """Evict whole leaf nodes, lowest priority first, until ``nbytes`` more fit."""
+        if nbytes > self.disk.max_bytes:
+            return False
+        while self.disk.used_bytes + nbytes > self.disk.max_bytes:
+            leaves = [n for n in self.tree.leaves() if n not in protect and n.payload is not None]
+            if not leaves:
+                return False
+            victim = min(leaves, key=self._node_priority)
+            self._drop(victim)
+            self.stats.disk_evictions += 1
+        return True
+
+    def sync_stats(self) -> PrefixStoreStats:
+        self.stats.device_evictions = self.index["device"].evictions
+        self.stats.host_evictions = self.index["host"].evictions
+        return self.stats
+
+    def close(self) -> None:
+        self.disk.close()

@@ -1,0 +1,213 @@
+"""The prefix store in the engine: where its KV comes from and where loaded KV goes.
+
+Wiring (in-process engine only): the device tier is a set of blocks reserved from the engine's
+KV pool; a sequence about to lose its blocks (finished, aborted, preempted) with exact KV is
+stored from those blocks (``BlockManager.on_free``); a prompt under a KV budget is stored with
+the attention scores its policy accumulated, just before prompt-phase eviction compacts it
+(``KVCore.prefix_hook``); and a sequence being admitted gets the longest stored prefix loaded
+into fresh blocks instead of recomputed (``Scheduler.prefix_loader``) -- every token under the
+full policy, only the important chunks under a KV budget, at their original positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from keyserve.config import PrefixStoreConfig
+from keyserve.core.block_pool import KVBlock
+from keyserve.core.prefix_store import (
+    BlockPoolChunks,
+    DiskTier,
+    HostChunks,
+    KVLayout,
+    LoadedPrefix,
+    PrefixStore,
+    StoreSettings,
+)
+from keyserve.core.sequence import Sequence
+from keyserve.engine.kv_budget import BudgetDefaults, budget_spec
+
+
+class EnginePrefixStore:
+    def __init__(self, config: PrefixStoreConfig, core: object, runner: object, budget_defaults: BudgetDefaults) -> None:
+        self.config = config
+        self.core = core
+        self.runner = runner
+        self.budget_defaults = budget_defaults
+        bm = core.block_manager  # type: ignore[attr-defined]
+        self.bm = bm
+        self.block_size = bm.block_size
+        kv = runner.kv_caches  # type: ignore[attr-defined]
+        self.kv_caches = kv
+        chunk = config.chunk_size or self.block_size
+        if chunk % self.block_size:
+            raise ValueError(f"prefix store chunk_size {chunk} is not a multiple of block_size")
+        num_layers = len(kv)
+        _, _, heads, dim = kv[0][0].shape
+        dtype = kv[0][0].dtype
+        shape = (2, chunk, heads, dim)
+        reserve = (config.device_tokens // chunk) * (chunk // self.block_size)
+        if reserve >= bm.num_blocks:
+            raise ValueError(f"prefix store device tier ({reserve} blocks) must leave KV blocks free "
+                             f"(the pool has {bm.num_blocks})")
+        # Reserved blocks hold one reference forever: the scheduler never sees them free.
+        self.reserved = [bm.pool.allocate().block_id for _ in range(reserve)]
+        device = BlockPoolChunks(kv, self.reserved, chunk) if reserve else None
+        host_slots = config.host_tokens // chunk
+        host = HostChunks(num_layers, host_slots, shape, dtype) if host_slots else None
+        disk = DiskTier(config.disk_path, int(config.disk_max_gb * (1 << 30)), shape, dtype)
+        settings = StoreSettings(
+            chunk, config.top_k_fraction, config.importance_heads, config.check_agreement,
+            config.repack, config.eviction,
+        )
+        self.store = PrefixStore(settings, KVLayout(num_layers, heads, dim, dtype), disk, device, host)
+        self._loaded: set[int] = set()  # seq_ids whose blocks came from a load this admission
+        self._quiet: set[int] = set()  # seq_ids being undone: do not store them on free
+        bm.on_free = self.on_free
+        core.scheduler.prefix_loader = self  # type: ignore[attr-defined]
+        core.prefix_hook = self  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ paged KV I/O
+    def _physical(
+        self,
+        table: list[int],
+        slots: torch.Tensor,  # [n] int64 logical slots
+    ) -> torch.Tensor:  # [n] int64 physical slots
+        t = torch.tensor(table, dtype=torch.int64)
+        return t[slots // self.block_size] * self.block_size + slots % self.block_size
+
+    def _gather(self, table: list[int], start: int, end: int) -> torch.Tensor:  # [L, T, 2, H, D]
+        """KV of positions [start, end) of a sequence whose slot i holds position i."""
+        phys = self._physical(table, torch.arange(start, end)).to(self.kv_caches[0][0].device)
+        out = []
+        for k, v in self.kv_caches:
+            rows_k = k.view(-1, *k.shape[2:])[phys]
+            rows_v = v.view(-1, *v.shape[2:])[phys]
+            out.append(torch.stack([rows_k, rows_v], dim=1))
+        return torch.stack(out).cpu()
+
+    def _scatter(self, table: list[int], loaded: LoadedPrefix, slots: torch.Tensor) -> None:
+        """Write the loaded KV into logical ``slots`` ([L, C]: per layer) of the table."""
+        dev = self.kv_caches[0][0].device
+        for layer, (k, v) in enumerate(self.kv_caches):
+            phys = self._physical(table, slots[layer]).to(dev)
+            data = loaded.kv[layer].to(dev, k.dtype)  # [C, 2, H, D]
+            k.view(-1, *k.shape[2:])[phys] = data[:, 0]
+            v.view(-1, *v.shape[2:])[phys] = data[:, 1]
+
+    # ------------------------------------------------------------------ storing
+    def on_free(self, seq: Sequence) -> None:
+        """A sequence is about to release its blocks: store its exact, computed prefix."""
+        if seq.seq_id in self._quiet:
+            return
+        if not seq.prefix_cacheable:
+            if seq.kv_budgeted and seq.kv_slot_cap is None:  # ended before its prompt was compacted
+                self.on_prompt_computed(seq)
+            return  # a compressed (KV-budget) cache never holds a whole prefix
+        computed = min(seq.num_computed_tokens, len(seq.block_table) * self.block_size)
+        if computed < self.store.chunk:
+            return
+        tokens = seq.token_ids[:computed]
+        table = list(seq.block_table)
+        self.store.insert(tokens, lambda a, b: self._gather(table, a, b))
+
+    def on_prompt_computed(self, seq: Sequence) -> None:
+        """A budgeted prompt is computed (or its sequence ends first) and not yet compacted:
+        store it with the attention scores its policy accumulated (the importance), if its KV
+        is exact."""
+        state = self.runner.budget.get(seq)  # type: ignore[attr-defined]
+        if state is None or seq.num_computed_tokens < self.store.chunk:
+            return
+        n = state.num_slots
+        if n != seq.num_computed_tokens or n > len(seq.block_table) * self.block_size or not bool((state.positions == torch.arange(n, device=state.device)).all()):
+            return  # loaded with tokens dropped: its later KV is approximate, never stored
+        scores = state.scores.float().cpu().clone() if state.spec.by_score else None  # (a view: compaction rewrites it)
+        tokens = seq.token_ids[:n]
+        table = list(seq.block_table)
+        self.store.insert(tokens, lambda a, b: self._gather(table, a, b), scores)
+
+    # ------------------------------------------------------------------ loading
+    def load(self, seq: Sequence, cached: list[KVBlock], token_budget: int) -> list[KVBlock]:
+        """Attach the longest stored prefix beyond the pool's own hit ``cached``; returns the
+        pool blocks the scheduler should still attach (none once a load took them)."""
+        self._loaded.discard(seq.seq_id)
+        if seq.block_table or seq.num_computed_tokens:
+            return cached
+        bs = self.block_size
+        start = len(cached) * bs
+        max_tokens = seq.num_tokens - 1  # at least one token is computed, for the logits
+        tokens = seq.token_ids
+        self.store.stats.lookups += 1
+        need_scores = self._needs_scores(seq)
+        m = self.store.match_length(tokens, max_tokens, need_scores)
+        if m <= start:
+            return cached
+        # Load only if the whole first step fits now (else the normal path decides).
+        first = min(seq.num_tokens - m, token_budget)
+        revived = sum(1 for b in cached if b.ref_cnt == 0)
+        if self.bm.blocks_for_slots(m + first) - len(cached) > self.bm.num_free_blocks - revived:
+            return cached
+        important = seq.kv_budgeted and self.config.load_important_only
+        loaded = self.store.load(tokens, max_tokens, start, important, need_scores)
+        if loaded is None or loaded.num_tokens <= start:
+            return cached
+        m = loaded.num_tokens
+        pool = self.bm.pool
+        for block in cached:
+            pool.acquire(block)
+            seq.block_table.append(block.block_id)
+        while len(seq.block_table) < m // bs:
+            seq.block_table.append(pool.allocate().block_id)
+        self.bm.prefix_hits += start
+        if seq.kv_budgeted:
+            c = loaded.positions.shape[1]
+            self._scatter(seq.block_table, loaded, torch.arange(c).expand(len(self.kv_caches), c))
+            self._start_budget(seq, loaded)
+        else:
+            self._scatter(seq.block_table, loaded, loaded.positions)
+        seq.num_computed_tokens = m
+        seq.num_cached_tokens = m
+        self._loaded.add(seq.seq_id)
+        return []
+
+    def _needs_scores(self, seq: Sequence) -> bool:
+        """H2O / Keyformer evict by accumulated scores: a prefix stored without them is
+        recomputed (and stored again with them) rather than loaded with none."""
+        if not seq.kv_budgeted:
+            return False
+        spec = budget_spec(seq, self.budget_defaults)
+        return spec is not None and spec.by_score
+
+    def _start_budget(self, seq: Sequence, loaded: LoadedPrefix) -> None:
+        """The runner's KV-budget state starts from the loaded tokens (original positions, the
+        scores stored with them) instead of an empty prompt phase."""
+        spec = budget_spec(seq, self.budget_defaults)
+        assert spec is not None
+        tracker = self.runner.budget  # type: ignore[attr-defined]
+        state = tracker.start(seq, spec)
+        L, C = loaded.positions.shape
+        heads = tracker.num_kv_heads
+        scores = loaded.scores if loaded.scores is not None else torch.zeros(L, heads, C)
+        state.restore(loaded.positions[:, None, :].expand(L, heads, C), scores, loaded.num_tokens)
+
+    def unload(self, seq: Sequence) -> None:
+        """The scheduler could not admit a sequence after all: give the loaded blocks back."""
+        if seq.seq_id not in self._loaded:
+            return
+        self._loaded.discard(seq.seq_id)
+        self._quiet.add(seq.seq_id)
+        try:
+            self.bm.free(seq)
+        finally:
+            self._quiet.discard(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        if seq.kv_budgeted:
+            self.runner.budget.release(seq)  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict[str, int]:
+        return self.store.sync_stats().to_dict()
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,188 @@
+"""The prefix store with real tiers on a toy KV layout: exact round trips through device, host
+and disk, splits, importance loads and their bytes, bounded tiers, disk pressure, corruption."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from keyserve.core.prefix_store import (
+    BlockPoolChunks,
+    DiskTier,
+    HostChunks,
+    KVLayout,
+    PrefixStore,
+    StoreSettings,
+)
+
+L, H, D, CHUNK, BLOCK = 2, 2, 2, 4, 2
+SHAPE = (2, CHUNK, H, D)
+
+
+def kv_of(tokens: list[int], a: int, b: int) -> torch.Tensor:  # [L, b - a, 2, H, D]
+    """A position's KV depends on every token up to it (like a model's)."""
+    rows = []
+    for p in range(a, b):
+        seed = int.from_bytes(hashlib.sha256(repr(tokens[: p + 1]).encode()).digest()[:4], "little")
+        rows.append(torch.randn(L, 2, H, D, generator=torch.Generator().manual_seed(seed)))
+    return torch.stack(rows, dim=1)
+
+
+def make_store(tmp_path: Path, device_chunks: int = 0, host_chunks: int = 0, disk_bytes: int = 1 << 30,
+               **settings) -> PrefixStore:
+    device = None
+    if device_chunks:
+        caches = [(torch.zeros(64, BLOCK, H, D), torch.zeros(64, BLOCK, H, D)) for _ in range(L)]
+        device = BlockPoolChunks(caches, list(range(10, 10 + device_chunks * CHUNK // BLOCK)), CHUNK)
+    host = HostChunks(L, host_chunks, SHAPE, torch.float32) if host_chunks else None
+    disk = DiskTier(str(tmp_path), disk_bytes, SHAPE, torch.float32)
+    return PrefixStore(StoreSettings(CHUNK, **settings), KVLayout(L, H, D, torch.float32), disk, device, host)
+
+
+def insert(store: PrefixStore, tokens: list[int], scores: torch.Tensor | None = None) -> int:
+    return store.insert(tokens, lambda a, b: kv_of(tokens, a, b), scores)
+
+
+def check_exact(store: PrefixStore, tokens: list[int], want_len: int, start: int = 0) -> None:
+    got = store.load(tokens, len(tokens) - 1, start)
+    assert got is not None and got.num_tokens == want_len and got.exact
+    assert got.positions.equal(torch.arange(start, want_len).expand(L, -1))
+    assert torch.equal(got.kv, kv_of(tokens, start, want_len))
+
+
+def test_round_trip_prefixes_and_splits(tmp_path: Path) -> None:
+    store = make_store(tmp_path, device_chunks=2, host_chunks=3)
+    a = list(range(1, 19))  # 18 tokens: 16 stored
+    b = a[:9] + [50] * 10  # diverges inside a's node, in its third chunk (chunk 8..11)
+    assert insert(store, a) == 16
+    check_exact(store, a + [0], 16)
+    check_exact(store, a[:13], 12)  # a prefix ending inside the node
+    assert insert(store, b) == 8  # stores tokens 8..15 of b; a's node splits at 8
+    assert store.stats.splits == 1
+    check_exact(store, a + [0], 16)
+    check_exact(store, b + [0], 16)
+    check_exact(store, b + [0], 16, start=4)  # the first 4 were the caller's
+    assert store.load([7, 7, 7, 7, 7], 4) is None
+    assert store.disk.used_bytes == (8 + 8 + 8) * L * store.chunk_bytes // CHUNK
+
+
+def test_importance_load_reads_only_important_chunks(tmp_path: Path) -> None:
+    n = 16
+    tokens = list(range(100, 100 + n + 1))
+    scores = torch.zeros(L, H, n)
+    hot = {0: [1, 6, 9, 14], 1: [0, 3, 5, 12]}  # per layer; all heads agree
+    for layer, pos in hot.items():
+        scores[layer, :, pos] = 1.0
+    for repack, chunks_read in ((True, 2), (False, 7)):  # chunks over both layers
+        store = make_store(tmp_path / str(repack), top_k_fraction=0.25, repack=repack)
+        insert(store, tokens, scores)
+        assert store.stats.importance_fallbacks == 0
+        got = store.load(tokens, n, important_only=True)
+        assert got is not None and not got.exact and got.num_tokens == n
+        for layer, pos in hot.items():
+            assert got.positions[layer].tolist() == pos
+            assert torch.equal(got.kv[layer], kv_of(tokens, 0, n)[layer, pos])
+            assert got.scores is not None and got.scores[layer, 0].tolist() == [1.0] * 4
+        assert store.stats.disk_hits == chunks_read  # repacked: 4 important tokens = 1 chunk a layer
+        assert store.stats.disk_bytes_read == chunks_read * store.chunk_bytes
+        full = store.load(tokens, n)  # the full policy still gets everything
+        assert full is not None and full.exact and torch.equal(full.kv, kv_of(tokens, 0, n))
+
+
+def test_layer_fallback_loads_all_and_counts(tmp_path: Path) -> None:
+    n = 16
+    tokens = list(range(n + 1))
+    scores = torch.zeros(L, 3, n)
+    scores[0, :, :4] = 1.0  # layer 0 agrees
+    for h in range(3):  # layer 1: three heads with disjoint tops
+        scores[1, h, 4 * h : 4 * h + 4] = 1.0
+    store = make_store(tmp_path, top_k_fraction=0.25)
+    insert(store, tokens, scores)
+    assert store.stats.importance_fallbacks == 1 and store.stats.importance_layers == L
+    got = store.load(tokens, n, important_only=True)
+    # every layer holds as many tokens as the layer that loads all
+    assert got is not None and got.exact and got.positions.shape == (L, n)
+
+
+def test_memory_tiers_bounded_hits_and_promotion(tmp_path: Path) -> None:
+    store = make_store(tmp_path, device_chunks=2, host_chunks=2)
+    prefixes = [[p] * 9 for p in range(1, 5)]  # 4 prefixes of 2 chunks (8 tokens) each
+    for p in prefixes:
+        insert(store, p)
+    dev, host = store.index["device"], store.index["host"]
+    for layer in range(L):
+        assert len(dev.heaps[layer]) <= 2 and len(host.heaps[layer]) <= 2
+    assert len(store.disk.sizes) == 4  # disk keeps everything
+    before = store.stats.disk_hits
+    check_exact(store, prefixes[0], 8)  # the oldest is on disk only by now
+    assert store.stats.disk_hits > before and store.stats.promotions > 0
+    # accessed twice, it now outranks the chunks that were accessed once: served from memory
+    check_exact(store, prefixes[0], 8)
+    assert store.stats.device_hits + store.stats.host_hits >= 2 * L
+    s = store.sync_stats()
+    assert s.device_evictions > 0
+
+
+def test_lru_mode_evicts_least_recent(tmp_path: Path) -> None:
+    store = make_store(tmp_path, device_chunks=2, eviction="lru")
+    for p in range(1, 4):
+        insert(store, [p] * 9)
+    dev = store.index["device"]
+    nodes = {store.tree.match([p] * 9)[0].node.node_id: p for p in range(1, 4)}
+    held = {nodes[k[0]] for k in dev.slots}
+    assert held == {3}  # the newest prefix's two chunks
+    check_exact(store, [1] * 9, 8)
+    assert {nodes[k[0]] for k in dev.slots} == {1}
+
+
+def test_disk_bound_evicts_leaves(tmp_path: Path) -> None:
+    node_bytes = 2 * L * (CHUNK * H * D * 2 * 4)  # 8 tokens
+    store = make_store(tmp_path, disk_bytes=2 * node_bytes)
+    for p in range(1, 4):
+        insert(store, [p] * 9)
+    assert store.disk.used_bytes <= 2 * node_bytes and store.stats.disk_evictions == 1
+    assert store.load([1] * 9, 8) is None  # the least valuable went
+    check_exact(store, [3] * 9, 8)
+    assert len(list(Path(store.disk.root).glob("*.kv"))) == 2
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_corrupt_chunk_is_a_counted_miss(tmp_path: Path, damage: str) -> None:
+    store = make_store(tmp_path)
+    a = [1] * 8 + [2] * 9
+    insert(store, a[:9])  # node 1: tokens 0..7
+    insert(store, a)  # node 2: tokens 8..15 below it
+    child = store.tree.match(a)[1].node
+    path = store.disk.path(child.node_id)
+    if damage == "flip":
+        raw = bytearray(path.read_bytes())
+        raw[5] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        path.write_bytes(path.read_bytes()[:10])
+    else:
+        path.unlink()
+    got = store.load(a, 16)
+    assert store.stats.corrupt_chunks == 1
+    assert got is not None and got.num_tokens == 8 and torch.equal(got.kv, kv_of(a, 0, 8))
+    assert child.node_id not in store.tree.nodes
+    insert(store, a)  # stored again, fine afterwards
+    check_exact(store, a, 16)
+
+
+def test_scores_arriving_later_repack_the_node(tmp_path: Path) -> None:
+    n = 16
+    tokens = list(range(n + 1))
+    store = make_store(tmp_path, top_k_fraction=0.25)
+    insert(store, tokens)
+    assert store.match_length(tokens, n, need_scores=True) == 0
+    scores = torch.zeros(L, H, n)
+    scores[:, :, 8:12] = 1.0
+    assert insert(store, tokens, scores) == 0  # nothing new, but the node learns its importance
+    assert store.match_length(tokens, n, need_scores=True) == n
+    got = store.load(tokens, n, important_only=True, need_scores=True)
+    assert got is not None and got.positions.tolist() == [[8, 9, 10, 11]] * L
+    assert torch.equal(got.kv, kv_of(tokens, 0, n)[:, 8:12])
