@@ -1,0 +1,207 @@
+"""The prefix store in the engine, on stories260K: a stored prefix pushed to disk loads back
+with identical KV and output; importance loads hold exactly the important tokens at their
+original positions and generate what attention over those tokens generates (a transformers
+oracle); corrupt files are misses; preempted sequences feed the store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from keyserve import LLM, SamplingParams
+
+STORY = (
+    "Once upon a time there was a little girl named Lily. She loved to play outside in the park. "
+    "One day she saw a big red ball and she wanted to play with it. She ran to the ball and kicked "
+    "it very hard. The ball flew over the fence and into the garden of an old man."
+)
+OTHERS = [
+    "Tom had a small dog called Max. Every morning they walked to the river together and watched "
+    "the ducks swim. One day Max jumped into the water and Tom laughed and laughed.",
+    "The sun was hot and the sky was blue. Sue and her mom went to the beach with a big bag of "
+    "toys. They built a castle of sand and put a shell on the top of it.",
+]
+BLOCK = 8
+
+
+def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def make(stories_path: str, tmp_path: Path | None = None, **store) -> LLM:
+    kw = dict(num_blocks=160, block_size=BLOCK, enable_prefix_caching=False)
+    if tmp_path is not None:
+        kw.update(prefix_store=True, prefix_store_disk_path=str(tmp_path),
+                  **{f"prefix_store_{k}": v for k, v in store.items()})
+    return LLM(stories_path, **kw)
+
+
+def gather(llm: LLM, table: list[int], slots: torch.Tensor) -> torch.Tensor:  # [L, n, 2, H, D]
+    """K/V at logical ``slots`` of a block table, read straight from the cache."""
+    t = torch.tensor(table)
+    phys = t[slots // BLOCK] * BLOCK + slots % BLOCK
+    return torch.stack([torch.stack([k.view(-1, *k.shape[2:])[phys], v.view(-1, *v.shape[2:])[phys]], 1)
+                        for k, v in llm.engine.runner.kv_caches])
+
+
+def first_step(llm: LLM, ids: list[int], params: SamplingParams):
+    """Admit and prefill one request; returns (request id, its sequence)."""
+    engine = llm.engine
+    rid = engine.add_request(ids, params)
+    engine.step()
+    return rid, engine.requests[rid].seqs[0]
+
+
+def finish(llm: LLM, rid: str) -> list[int]:
+    outs = llm.engine.run_until_done()
+    return outs[rid].token_ids
+
+
+@pytest.fixture(scope="module")
+def ref(stories_path: str) -> LLM:
+    return make(stories_path)
+
+
+def test_off_by_default(ref: LLM) -> None:
+    assert ref.engine.prefix_store is None and ref.engine.block_manager.on_free is None
+    assert ref.engine.prefix_store_stats() == {}
+
+
+def test_full_policy_prefix_pushed_to_disk_loads_back_identically(stories_path: str, ref: LLM, tmp_path: Path) -> None:
+    llm = make(stories_path, tmp_path, device_tokens=16, host_tokens=16)
+    ids = llm.engine.encode_prompt(STORY)
+    for text in [STORY] + OTHERS:  # the later prefixes push the first one out of memory
+        llm.generate(text, greedy())
+    ps = llm.engine.prefix_store
+    store = ps.store
+    node = store.tree.match(ids)[0].node
+    keys = [(node.node_id, layer, c) for layer in range(5) for c in range(node.payload.num_chunks)]
+    assert not any(k in store.index["device"] or k in store.index["host"] for k in keys)  # disk only
+    before = dict(llm.engine.prefix_store_stats())
+    rid, seq = first_step(llm, ids, greedy())
+    st = llm.engine.prefix_store_stats()
+    m = seq.num_cached_tokens
+    assert m == len(ids) - len(ids) % BLOCK and m > 64
+    assert st["disk_hits"] > before["disk_hits"] and st["device_hits"] == before["device_hits"]
+    assert st["disk_bytes_read"] - before["disk_bytes_read"] == m * 5 * 4 * 8 * 2 * 4  # L*H*D*KV*fp32
+    loaded = gather(llm, seq.block_table, torch.arange(m))
+    rid_ref, seq_ref = first_step(ref, ids, greedy())
+    recomputed = gather(ref, seq_ref.block_table, torch.arange(m))
+    assert torch.equal(loaded, recomputed)  # identical KV
+    assert finish(llm, rid) == finish(ref, rid_ref)  # identical greedy output
+    llm.engine.close()
+
+
+def test_importance_load_equals_attention_over_the_same_tokens(stories_path: str, tmp_path: Path) -> None:
+    """A request under H2O loads only the important half of a stored prefix (no layer falls back
+    here: the agreement check is off). Its KV slots hold exactly those tokens' recomputed K/V at
+    their original positions, and its greedy output equals transformers generating over a cache
+    of the same tokens per layer (the budget is large enough that H2O evicts nothing more)."""
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    llm = make(stories_path, tmp_path, top_k_fraction=0.5, check_agreement=False)
+    ids = llm.engine.encode_prompt(STORY)
+    llm.generate([ids], greedy(1, kv_policy="h2o", kv_budget=0.5))  # computes and stores, with scores
+    store = llm.engine.prefix_store.store
+    assert store.stats.importance_layers == 5 and store.stats.importance_fallbacks == 0
+    m = len(ids) - len(ids) % BLOCK
+    suffix = llm.engine.encode_prompt(" Then she went home and had a nap.")[1:]
+    prompt = ids[:m] + suffix
+    rid, seq = first_step(llm, prompt, greedy(12, kv_policy="h2o", kv_budget=1000))
+    assert seq.num_cached_tokens == m
+    state = llm.engine.runner.budget.states[seq.seq_id]
+    pos = state.positions[:, 0]  # [L, slots]: loaded tokens, then the suffix
+    important = store.tree.match(prompt)[0].node.payload.important  # [L, m]
+    k = int(important[0].sum())
+    assert k == m // 2 and bool((important.sum(1) == k).all())
+    for layer in range(5):
+        assert pos[layer, :k].tolist() == important[layer].nonzero().flatten().tolist()
+    assert pos[:, k:].equal(torch.arange(m, len(prompt)).expand(5, -1))
+    chunk_bytes = BLOCK * 4 * 8 * 2 * 4  # tokens x kv-heads x head_dim x (K, V) x fp32
+    assert store.stats.disk_bytes_read == 5 * -(-k // BLOCK) * chunk_bytes  # repacked: dense chunks
+    # KV of the loaded slots == recomputed KV at those positions, layer by layer
+    ref = make(stories_path)
+    rid_ref, seq_ref = first_step(ref, ids[:m] + [ids[m]], greedy(2))
+    full = gather(ref, seq_ref.block_table, torch.arange(m))  # [L, m, 2, H, D]
+    loaded = gather(llm, seq.block_table, torch.arange(k))
+    # (the stored KV was computed by the H2O prefill, whose attention also returns scores: the
+    # deeper layers differ from the plain path's in the last float bits; layer 0 is bitwise equal)
+    assert torch.equal(loaded[0], full[0, pos[0, :k]])
+    for layer in range(5):
+        torch.testing.assert_close(loaded[layer], full[layer, pos[layer, :k]], atol=1e-5, rtol=1e-5)
+    ours = finish(llm, rid)
+    ref.engine.run_until_done()
+    # the oracle: transformers over a cache holding the same tokens per layer
+    hf = LlamaForCausalLM.from_pretrained(stories_path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        prefix = hf(torch.tensor([ids[:m]]), use_cache=True).past_key_values
+        cache = DynamicCache()
+        for layer in range(5):
+            keep = pos[layer, :k]
+            cache.update(prefix.layers[layer].keys[:, :, keep], prefix.layers[layer].values[:, :, keep], layer)
+        tokens, nxt, p = [], torch.tensor([suffix]), m
+        for _ in range(12):
+            n = nxt.shape[1]
+            logits = hf(nxt, position_ids=torch.arange(p, p + n)[None], past_key_values=cache, use_cache=True).logits
+            tokens.append(int(logits[0, -1].argmax()))
+            p += n
+            nxt = torch.tensor([[tokens[-1]]])
+    assert ours == tokens
+    llm.engine.close()
+
+
+def test_corrupt_chunk_file_is_recomputed_and_counted(stories_path: str, ref: LLM, tmp_path: Path) -> None:
+    llm = make(stories_path, tmp_path)
+    llm.generate(STORY, greedy())
+    files = list(Path(llm.engine.prefix_store.store.disk.root).glob("*.kv"))
+    assert files
+    for f in files:
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0x55
+        f.write_bytes(bytes(raw))
+    [out] = llm.generate(STORY, greedy())
+    [want] = ref.generate(STORY, greedy())
+    st = llm.engine.prefix_store_stats()
+    assert out.token_ids == want.token_ids
+    assert st["corrupt_chunks"] >= 1 and out.stats.prefix_cache_hit_tokens == 0
+    llm.engine.close()
+
+
+def test_preempted_sequences_feed_the_store_and_finish_correctly(stories_path: str, ref: LLM, tmp_path: Path) -> None:
+    """A pool too small for both requests preempts one; its computed prefix is stored when it
+    is preempted and loaded back when it is readmitted (instead of being recomputed)."""
+    llm = LLM(stories_path, num_blocks=32, block_size=BLOCK, enable_prefix_caching=False, max_num_seqs=2,
+              prefix_store=True, prefix_store_disk_path=str(tmp_path))
+    ps = llm.engine.prefix_store
+    freed_unfinished = []
+    on_free = ps.on_free
+
+    def spy(seq):
+        before = ps.store.stats.stored_tokens
+        on_free(seq)
+        if not seq.is_finished:
+            freed_unfinished.append(ps.store.stats.stored_tokens - before)
+
+    llm.engine.block_manager.on_free = spy
+    prompts = [STORY, OTHERS[0]]
+    outs = llm.generate(prompts, greedy(100))
+    wants = ref.generate(prompts, greedy(100))
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert freed_unfinished and max(freed_unfinished) > 0
+    assert ps.store.stats.hits > 0
+    assert [o.token_ids for o in outs] == [w.token_ids for w in wants]
+    llm.engine.close()
+
+
+def test_prometheus_exposes_store_counters() -> None:
+    from keyserve.cluster.metrics import ServerMetrics
+    from keyserve.engine.async_engine import EngineStats
+
+    stats = EngineStats(prefix_store={"disk_bytes_read": 7, "device_hits": 3, "importance_fallbacks": 2})
+    text = ServerMetrics(lambda: stats, "m").render().decode()
+    assert 'keyserve:prefix_store_bytes_read_total{model_name="m",tier="disk"} 7.0' in text
+    assert 'keyserve:prefix_store_hits_total{model_name="m",tier="device"} 3.0' in text
+    assert 'keyserve:prefix_store_importance_fallbacks_total{model_name="m"} 2.0' in text
+    assert "prefix_store" not in ServerMetrics(lambda: EngineStats(), "m").render().decode()
