@@ -270,6 +270,17 @@ class ServeConfig(_Strict):
     default_kv_policy: KVPolicyName | None = Field(None, description="KV policy when a request names none.")
     default_kv_budget: float | None = Field(None, gt=0.0, description="KV budget when a request gives none.")
     seed: int | None = Field(None, ge=0, description="Seed of the engine's global RNG.")
+    prefix_store: bool | None = Field(None, description="Turn on the multi-tier prefix KV store (IMPRESS).")
+    prefix_store_device_tokens: int | None = Field(None, ge=0, description="Prefix store: device-tier tokens.")
+    prefix_store_host_tokens: int | None = Field(None, ge=0, description="Prefix store: host-tier tokens.")
+    prefix_store_disk_path: str | None = Field(None, description="Prefix store: disk-tier directory.")
+    prefix_store_disk_max_gb: float | None = Field(None, gt=0.0, description="Prefix store: disk bound (GiB).")
+    prefix_store_top_k_fraction: float | None = Field(
+        None, gt=0.0, le=1.0, description="Prefix store: share of tokens marked important."
+    )
+    prefix_store_eviction: Literal["importance", "lru"] | None = Field(
+        None, description="Prefix store: memory-tier eviction priority."
+    )
     api_key: str | None = Field(
         None, description="If set, /v1/* require `Authorization: Bearer <api_key>`."
     )
@@ -286,7 +297,8 @@ class ServeConfig(_Strict):
         """The EngineConfig this server runs (unset fields keep the engine's defaults)."""
         names = set(ModelConfig.model_fields) | set(CacheConfig.model_fields)
         names |= set(SchedulerSettings.model_fields) | set(SpecConfig.model_fields) | {"seed"}
-        flat = {k: getattr(self, k) for k in type(self).model_fields if k in names}
+        flat = {k: getattr(self, k) for k in type(self).model_fields
+                if k in names or k.startswith("prefix_store")}
         return EngineConfig.from_flat(**flat, tensor_parallel_size=self.tp if self.tp > 1 else None)
 
     def model_name(self) -> str:

@@ -205,3 +205,19 @@ def test_prometheus_exposes_store_counters() -> None:
     assert 'keyserve:prefix_store_hits_total{model_name="m",tier="device"} 3.0' in text
     assert 'keyserve:prefix_store_importance_fallbacks_total{model_name="m"} 2.0' in text
     assert "prefix_store" not in ServerMetrics(lambda: EngineStats(), "m").render().decode()
+
+
+def test_config_flat_names_serve_flags_and_refusals() -> None:
+    from keyserve.config import EngineConfig, ServeConfig
+
+    cfg = EngineConfig.from_flat(prefix_store=True, prefix_store_host_tokens=64, prefix_store_eviction="lru")
+    assert cfg.prefix_store.enabled and cfg.prefix_store.host_tokens == 64 and cfg.prefix_store.eviction == "lru"
+    served = ServeConfig(prefix_store=True, prefix_store_device_tokens=32).engine_config()
+    assert served.prefix_store.enabled and served.prefix_store.device_tokens == 32
+    assert not ServeConfig().engine_config().prefix_store.enabled
+    with pytest.raises(ValueError, match="draft"):
+        EngineConfig.from_flat(prefix_store=True, draft="/x")
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        EngineConfig.from_flat(prefix_store=True, prefix_store_chunk_size=12, block_size=8)
+    with pytest.raises(ValueError, match="Ray"):
+        EngineConfig.from_flat(prefix_store=True, tensor_parallel_size=2)
