@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -109,24 +110,65 @@ def hf_decode(model, tokenizer, max_tokens: int) -> float:
     return max_tokens / (tn - t1)
 
 
-def hf_padded_throughput(model, tokenizer, requests, batch: int = 16) -> tuple[float, float]:
-    tokenizer.padding_side = "left"
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    t = time.perf_counter()
-    useful = 0
-    for i in tqdm(range(0, len(requests), batch), desc="transformers padded"):
-        chunk = requests[i : i + batch]
-        width = max(len(r.prompt_token_ids) for r in chunk)
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, r in enumerate(chunk):
-            ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-            mask[j, width - len(r.prompt_token_ids):] = 1
-        n = max(r.max_tokens for r in chunk)
+def hf_padded_subprocess(path: str, dtype: str, num: int, timeout_s: int, batch: int = 16) -> tuple[float, float, int]:
+    """transformers' padded ``generate`` over batches of ``batch`` (left padding, outputs forced
+    to each batch's longest), in a child process that reports after every batch, so a run
+    stopped at ``timeout_s`` still yields the throughput of the batches it finished. Returns
+    ``(useful tok/s, elapsed s, batches done)``; ``(0, timeout, 0)`` if not even one finished."""
+    code = f"""
+import time, torch, json, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from bench.workloads import mixed_requests
+tok = AutoTokenizer.from_pretrained({path!r})
+model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=getattr(torch, {dtype!r}), attn_implementation="sdpa").eval()
+reqs = mixed_requests(tok, {num})
+tok.padding_side = "left"
+pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+t = time.perf_counter()
+useful = 0
+for b, i in enumerate(range(0, len(reqs), {batch})):
+    chunk = reqs[i : i + {batch}]
+    width = max(len(r.prompt_token_ids) for r in chunk)
+    ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for j, r in enumerate(chunk):
+        ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+        mask[j, width - len(r.prompt_token_ids):] = 1
+    n = max(r.max_tokens for r in chunk)
+    with torch.no_grad():
         model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
-        useful += sum(r.max_tokens for r in chunk)
-    elapsed = time.perf_counter() - t
-    return useful / elapsed, elapsed
+    useful += sum(r.max_tokens for r in chunk)
+    print(json.dumps({{"batches": b + 1, "useful": useful, "elapsed": time.perf_counter() - t}}), flush=True)
+"""
+    last = {"batches": 0, "useful": 0, "elapsed": float(timeout_s)}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    total = -(-num // batch)
+    start = time.perf_counter()
+    with tqdm(total=total, desc=f"transformers padded {dtype}") as bar:
+        try:
+            import selectors
+
+            sel = selectors.DefaultSelector()
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while proc.poll() is None or sel.select(timeout=0):
+                left = timeout_s - (time.perf_counter() - start)
+                if left <= 0:
+                    break
+                if not sel.select(timeout=min(left, 5.0)):
+                    continue
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                if line.startswith("{"):
+                    last = json.loads(line)
+                    bar.update(last["batches"] - bar.n)
+        finally:
+            proc.kill()
+            proc.wait()
+    if last["batches"] == 0:
+        return 0.0, float(timeout_s), 0
+    return last["useful"] / last["elapsed"], last["elapsed"], last["batches"]
 
 
 def hf_generate_batch_subprocess(path: str, dtype: str, num: int, timeout_s: int) -> tuple[float | None, float | None]:
@@ -159,79 +201,168 @@ print(json.dumps({{"tok_s": useful / el, "elapsed": el}}))
     return None, None
 
 
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "bench_generate.json"
+
+
+def _load_avg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def measure_dtype(dtype: str, args: argparse.Namespace, bw: float, fp32_gflops: float) -> dict:
+    """Every number of one dtype, keyserve and transformers side by side in this process."""
+    from transformers import AutoModelForCausalLM
+
+    from keyserve import LLM
+
+    load_before = _load_avg()
+    gflops = measure_matmul_gflops(DTYPES[dtype], repeats=5 if dtype == "float32" else 1)
+    llm = LLM(dtype=dtype, kv_cache_memory_gb=6.0, max_num_batched_tokens=2048)
+    arch = llm.engine.loaded.config
+    path = str(llm.engine.loaded.path)
+    tok = llm.tokenizer
+    wbytes = weight_bytes_per_token(llm.engine.loaded.model, arch.tie_word_embeddings, arch.vocab_size, arch.hidden_size)
+    ks_dec = keyserve_decode(llm, args.decode_tokens)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa").eval()
+    hf_dec = hf_decode(hf, tok, args.decode_tokens)
+    del hf
+    reqs = mixed_requests(tok, args.num_requests)
+    total_tokens = sum(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
+    matmul_params = sum(p.numel() for n, p in llm.engine.loaded.model.named_parameters() if "norm" not in n)
+    if not arch.tie_word_embeddings:
+        matmul_params -= arch.vocab_size * arch.hidden_size
+    ks_tput, ks_el, _ = keyserve_throughput(llm, reqs)
+    del llm
+    # keyserve widens bf16 weights to float32 GEMM on CPUs without native bf16 (model/matmul.py),
+    # so its compute bound is the float32 matmul rate in both dtypes.
+    ks_frac = total_tokens * flops_per_token(matmul_params) / ks_el / (fp32_gflops * 1e9)
+    hf_tput, hf_el, hf_batches = hf_padded_subprocess(path, dtype, args.num_requests, args.hf_padded_timeout)
+    cb_tput = None
+    if not args.skip_hf_batch:
+        cb_tput, _ = hf_generate_batch_subprocess(path, dtype, args.num_requests, args.hf_batch_timeout)
+    return {
+        "dtype": dtype, "date": time.strftime("%Y-%m-%d"), "load_before": load_before, "load_after": _load_avg(),
+        "bandwidth_gbs": bw, "weight_bytes": wbytes, "bound_tok_s": bw * 1e9 / wbytes,
+        "keyserve_decode": ks_dec, "hf_decode": hf_dec, "gflops": gflops, "fp32_gflops": fp32_gflops,
+        "keyserve_tput": ks_tput, "keyserve_wall_s": ks_el, "keyserve_compute_frac": ks_frac,
+        "hf_padded_tput": hf_tput, "hf_padded_s": hf_el, "hf_padded_batches": hf_batches,
+        "hf_padded_total_batches": -(-args.num_requests // 16), "hf_padded_timeout": args.hf_padded_timeout,
+        "hf_batch_tput": cb_tput, "hf_batch_timeout": None if args.skip_hf_batch else args.hf_batch_timeout,
+        "num_requests": args.num_requests, "decode_tokens": args.decode_tokens,
+        "command": "python bench/generate_bench.py " + " ".join(sys.argv[1:]),
+    }
+
+
+def _padded_text(r: dict) -> str:
+    if r["hf_padded_batches"] == 0:
+        return f"no batch of 16 finished in {r['hf_padded_timeout']} s"
+    txt = f"{r['hf_padded_tput']:.1f}"
+    if r["hf_padded_batches"] < r["hf_padded_total_batches"]:
+        txt += f" ({r['hf_padded_batches']} of {r['hf_padded_total_batches']} batches in {r['hf_padded_timeout']} s)"
+    return txt
+
+
+def _batch_text(r: dict) -> str:
+    if r["hf_batch_timeout"] is None:
+        return "not run"
+    return f"{r['hf_batch_tput']:.1f}" if r["hf_batch_tput"] else f"did not finish in {r['hf_batch_timeout']} s"
+
+
+def tables(records: list[dict]) -> tuple[str, str]:
+    dec = markdown_table(
+        ["dtype", "keyserve tok/s", "transformers tok/s", "keyserve / transformers", "bandwidth bound tok/s",
+         "keyserve % of bound", "transformers % of bound"],
+        [[r["dtype"], f"{r['keyserve_decode']:.1f}", f"{r['hf_decode']:.1f}", f"{r['keyserve_decode'] / r['hf_decode']:.2f}×",
+          f"{r['bound_tok_s']:.1f}", f"{r['keyserve_decode'] / r['bound_tok_s']:.0%}", f"{r['hf_decode'] / r['bound_tok_s']:.0%}"]
+         for r in records],
+    )
+    rows = []
+    for r in records:
+        finished = [x for x in (r["hf_padded_tput"], r["hf_batch_tput"]) if x]
+        ratio = f"{r['keyserve_tput'] / max(finished):.2f}×" if finished else "—"
+        if r["hf_padded_batches"] == 0:
+            bound = r["hf_padded_total_batches"] * 16 * 136 / r["hf_padded_timeout"]  # ~136 tokens/request
+            ratio = f"> {r['keyserve_tput'] / bound:.0f}× (transformers < {bound:.1f} tok/s)"
+        rows.append([r["dtype"], f"{r['keyserve_tput']:.1f}", _padded_text(r), _batch_text(r), ratio,
+                     f"{r['keyserve_wall_s']:.0f}", f"{r['gflops']:.1f}", f"{r['keyserve_compute_frac']:.0%}",
+                     r["load_before"]])
+    tput = markdown_table(
+        ["dtype", "keyserve tok/s", "transformers padded (16) tok/s", "transformers generate_batch tok/s",
+         "keyserve / best transformers", "keyserve wall s", "matmul GFLOP/s (this dtype)",
+         "keyserve % of compute bound (fp32 GEMM)", "load avg before"],
+        rows,
+    )
+    return dec, tput
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--hf-padded-timeout", type=int, default=1200, help="seconds for transformers' padded batches")
     ap.add_argument("--hf-batch-timeout", type=int, default=600, help="seconds for generate_batch")
     ap.add_argument("--skip-hf-batch", action="store_true")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 
-    from transformers import AutoModelForCausalLM
-
-    from keyserve import LLM
-
-    torch.set_num_threads(torch.get_num_threads())
     bw = measure_bandwidth_gbs()
-    decode_rows, tput_rows, plot = [], [], {}
+    fp32_gflops = measure_matmul_gflops(torch.float32)
+    stored = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     for dtype in args.dtypes:
-        gflops = measure_matmul_gflops(DTYPES[dtype])
-        llm = LLM(dtype=dtype, kv_cache_memory_gb=6.0, max_num_batched_tokens=2048)
-        arch = llm.engine.loaded.config
-        path = str(llm.engine.loaded.path)
-        tok = llm.tokenizer
-        wbytes = weight_bytes_per_token(llm.engine.loaded.model, arch.tie_word_embeddings, arch.vocab_size, arch.hidden_size)
-        bound = bw * 1e9 / wbytes
-        ks_dec = keyserve_decode(llm, args.decode_tokens)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa").eval()
-        hf_dec = hf_decode(hf, tok, args.decode_tokens)
-        decode_rows.append([dtype, f"{ks_dec:.1f}", f"{hf_dec:.1f}", f"{ks_dec / hf_dec:.2f}×",
-                            f"{bound:.1f}", f"{ks_dec / bound:.0%}", f"{hf_dec / bound:.0%}"])
-        reqs = mixed_requests(tok, args.num_requests)
-        total_tokens = sum(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
-        matmul_params = sum(p.numel() for n, p in llm.engine.loaded.model.named_parameters() if "norm" not in n)
-        if not arch.tie_word_embeddings:
-            matmul_params -= arch.vocab_size * arch.hidden_size
-        ks_tput, ks_el, _ = keyserve_throughput(llm, reqs)
-        ks_frac = total_tokens * flops_per_token(matmul_params) / ks_el / (gflops * 1e9)
-        hf_tput, hf_el = hf_padded_throughput(hf, tok, reqs)
-        del hf
-        if args.skip_hf_batch:
-            cb_tput = None
-        else:
-            cb_tput, _ = hf_generate_batch_subprocess(path, dtype, args.num_requests, args.hf_batch_timeout)
-        best_hf = max(x for x in (hf_tput, cb_tput) if x is not None)
-        cb_txt = f"{cb_tput:.1f}" if cb_tput else f"did not finish in {args.hf_batch_timeout}s"
-        tput_rows.append([dtype, f"{ks_tput:.1f}", f"{hf_tput:.1f}", cb_txt, f"{ks_tput / best_hf:.2f}×",
-                          f"{ks_el:.0f}", f"{gflops:.0f}", f"{ks_frac:.0%}"])
-        plot[dtype] = (ks_dec, hf_dec, bound, ks_tput, hf_tput, cb_tput or 0.0)
-        del llm
-    dec_table = markdown_table(
-        ["dtype", "keyserve tok/s", "transformers tok/s", "ratio", "bandwidth bound tok/s", "keyserve % of bound", "transformers % of bound"],
-        decode_rows,
-    )
-    tput_table = markdown_table(
-        ["dtype", "keyserve tok/s", "transformers padded (16) tok/s", "transformers generate_batch tok/s",
-         "keyserve / best transformers", "keyserve wall s", "matmul GFLOP/s", "keyserve % of compute bound"],
-        tput_rows,
-    )
-    print(f"memory bandwidth (read): {bw:.1f} GB/s\n")
-    print(dec_table + "\n\n" + tput_table)
+        stored[dtype] = measure_dtype(dtype, args, bw, fp32_gflops)
+        dec, tput = tables([stored[dtype]])
+        print(f"\nmemory bandwidth (read): {bw:.1f} GB/s\n{dec}\n\n{tput}", flush=True)
+        if not args.no_write:
+            RESULTS.write_text(json.dumps(stored, indent=2))
     if args.no_write:
         return
-    _plot(plot, Path(__file__).resolve().parent.parent / "docs" / "bench_generate.png")
+    records = [stored[d] for d in DTYPES if d in stored]
+    dec_table, tput_table = tables(records)
+    _plot({r["dtype"]: (r["keyserve_decode"], r["hf_decode"], r["bound_tok_s"], r["keyserve_tput"],
+                        r["hf_padded_tput"], r["hf_batch_tput"] or 0.0) for r in records},
+          Path(__file__).resolve().parent.parent / "docs" / "bench_generate.png")
+    runs = "; ".join(f"{r['dtype']}: `{r['command']}` on {r['date']} (load average before {r['load_before']}, "
+                     f"after {r['load_after']})" for r in records)
     body = (
-        f"SmolLM2-135M-Instruct, greedy, outputs forced to their length (EOS ignored) on both sides. "
-        f"Measured read bandwidth {bw:.1f} GB/s; the bandwidth bound is that ÷ the bytes of weights "
-        f"one decode step reads. Throughput counts generated tokens only (\"useful\"); the compute "
-        f"fraction counts 2·params FLOPs for every prompt and generated token against the matmul "
-        f"FLOP/s measured in the same run.\n\n### Batch-1 decode ({args.decode_tokens} tokens)\n\n{dec_table}\n\n"
-        f"### {args.num_requests} requests, prompts 50–1000 tokens, outputs 16–256 tokens\n\n{tput_table}\n\n"
+        f"Runs: {runs}. Results are kept per dtype in `docs/bench_generate.json`.  \n"
+        f"Machine: {machine()}\n\n"
+        f"SmolLM2-135M-Instruct, greedy, outputs forced to their length (EOS ignored) on both sides, "
+        f"transformers {_transformers_version()} with SDPA attention. Read bandwidth measured in the run "
+        f"(a full reduction over 1 GiB): {records[0]['bandwidth_gbs']:.1f} GB/s; the bandwidth bound is that ÷ "
+        f"the bytes of weights one decode step reads. Throughput counts generated tokens only (\"useful\"); "
+        f"the compute fraction counts 2·params FLOPs for every prompt and generated token against the "
+        f"float32 matmul rate measured in the same run ({records[0]['fp32_gflops']:.0f} GFLOP/s).\n\n"
+        f"### Batch-1 decode ({records[0]['decode_tokens']} tokens)\n\n{dec_table}\n\n"
+        f"### {records[0]['num_requests']} requests, prompts 50–1000 tokens, outputs 16–256 tokens\n\n{tput_table}\n\n"
         f"![generate benchmark](bench_generate.png)\n"
     )
     update_section("generate", "Foundation: generation speed (issue 2)", body)
+
+
+def machine() -> str:
+    import platform
+
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (f"{model}, {os.cpu_count()} cores, no GPU, torch {torch.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _plot(data: dict, path: Path) -> None:

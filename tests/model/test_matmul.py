@@ -28,3 +28,22 @@ def test_bf16_linear_is_float32_product_rounded(monkeypatch: pytest.MonkeyPatch,
 def test_float32_is_untouched() -> None:
     x, w = torch.randn(9, 16), torch.randn(8, 16)
     assert torch.equal(matmul.linear(x, w), F.linear(x, w))
+
+
+def test_cpu_gemv_layout_keeps_values_and_shapes_and_is_idempotent() -> None:
+    from torch import nn
+
+    from keyserve.model.matmul import use_cpu_gemv_layout
+
+    net = nn.Sequential(nn.Linear(8, 5), nn.Embedding(7, 8))
+    net[0].to(torch.bfloat16)  # bf16 stays row-major: its GEMV wants [out, in]
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    use_cpu_gemv_layout(net)
+    use_cpu_gemv_layout(net)
+    emb = net[1].weight
+    assert emb.shape == (7, 8) and emb.stride() == (1, 7)  # column-major float32
+    assert net[0].weight.stride() == (8, 1)
+    for n, p in net.named_parameters():
+        assert torch.equal(p, before[n]), n
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(torch.nn.functional.linear(x, emb.t().t()), x @ before["1.weight"].t())

@@ -106,10 +106,10 @@ def test_greedy_chat_matches_transformers(
 ) -> None:
     """5 chat prompts x up to 64 tokens, token for token (issue 2's greedy check).
 
-    Ours decodes the five as one continuous batch. transformers checks them the cheap exact
-    way: one causal forward over prompt + our tokens, whose argmax at every step must be our
-    next token (that is what its greedy ``generate`` picks); one prompt also runs ``generate``
-    itself, to tie the two.
+    Ours decodes the five as one continuous batch; transformers runs its own greedy
+    ``generate`` on each prompt alone, and the token ids must be identical. A teacher-forced
+    forward over prompt + our tokens also checks every step's argmax, so a mismatch names the
+    first step where the two disagree.
     """
     loaded, _ = converted
     eos = loaded.config.eos_token_ids
@@ -122,9 +122,10 @@ def test_greedy_chat_matches_transformers(
         theirs = logits.argmax(-1).tolist()
         assert ours[i] == theirs, (CHATS[i], loaded.tokenizer.decode(ours[i]), loaded.tokenizer.decode(theirs))
         assert len(ours[i]) == 64 or ours[i][-1] in eos
-    with torch.no_grad():
-        generated = hf_gguf.generate(
-            torch.tensor([prompts[0]]), max_new_tokens=64, do_sample=False, eos_token_id=list(eos)
-        )[0, len(prompts[0]) :].tolist()
-    assert generated == ours[0]
+    for i, ids in prompts.items():
+        with torch.no_grad():
+            generated = hf_gguf.generate(
+                torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=list(eos)
+            )[0, len(ids) :].tolist()
+        assert generated == ours[i], CHATS[i]
     assert "Paris" in loaded.tokenizer.decode(ours[0])

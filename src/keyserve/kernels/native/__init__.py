@@ -27,7 +27,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_decode.c",)
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
 
 def _cache_dir() -> Path:
@@ -56,8 +56,12 @@ def _build(compiler: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *CFLAGS, *sources, "-o", tmp, "-lm"], check=True,
-                       capture_output=True, text=True, timeout=300)
+        base = [compiler, *CFLAGS, *sources, "-o", tmp]
+        try:  # glibc's vector expf/logf where the C library has them (x86-64 glibc does)
+            subprocess.run([*base, "-DKEYSERVE_LIBMVEC", "-lmvec", "-lm"], check=True,
+                           capture_output=True, text=True, timeout=300)
+        except subprocess.CalledProcessError:
+            subprocess.run([*base, "-lm"], check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, out)  # atomic: concurrent builders (test workers, TP ranks) race safely
     finally:
         if os.path.exists(tmp):

@@ -22,6 +22,14 @@
 
 #define TINY 1e-20f
 
+#ifdef KEYSERVE_LIBMVEC
+/* glibc's vector math (libmvec): lets the simd loops below call 8-wide expf/logf. */
+#pragma omp declare simd notinbranch
+extern float expf(float);
+#pragma omp declare simd notinbranch
+extern float logf(float);
+#endif
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = ((uint32_t)x) << 16;
     float f;
@@ -43,12 +51,6 @@ static inline float uniform_open01(uint64_t seed, uint64_t index) {
     return ((float)(r >> 40) + 0.5f) * (1.0f / 16777216.0f); /* in (0, 1) */
 }
 
-static inline float gumbel(float u) {
-    if (u < TINY) u = TINY;
-    if (u > 1.0f - 1e-7f) u = 1.0f - 1e-7f;
-    return -logf(-logf(u));
-}
-
 /* Row of (logical slot t) in the cache seen as [rows, head_dim]. */
 static inline int64_t cache_row(const int32_t *table, int t, int block_size, int num_kv_heads,
                                 int kv_head) {
@@ -56,17 +58,37 @@ static inline int64_t cache_row(const int32_t *table, int t, int block_size, int
     return (block * block_size + t % block_size) * num_kv_heads + kv_head;
 }
 
-/* Softmax of x[0:n] into p[0:n]; returns nothing for n == 0. */
+/* Softmax of x[0:n] into p[0:n] (p may alias x). The simd loops let gcc call glibc's vector
+ * expf (libmvec; -fno-math-errno allows it). */
 static void softmax_into(const float *x, float *p, int n) {
     float m = -INFINITY;
+#pragma omp simd reduction(max : m)
     for (int i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
     float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
     for (int i = 0; i < n; i++) {
         p[i] = expf(x[i] - m);
         sum += p[i];
     }
-    float inv = 1.0f / sum;
+    const float inv = 1.0f / sum;
+#pragma omp simd
     for (int i = 0; i < n; i++) p[i] *= inv;
+}
+
+/* noisy[i] = (logits[i] + zeta_i) / tau with zeta = -log(-log U): U from `uniforms` (tests) or
+ * the counter-based generator at index0 + i. Split in two loops so the logs vectorise. */
+static void gumbel_logits(const float *logits, const float *uniforms, uint64_t seed,
+                          int64_t index0, float inv_tau, float *noisy, int n) {
+    if (uniforms)
+        memcpy(noisy, uniforms + index0, sizeof(float) * (size_t)n);
+    else
+        for (int i = 0; i < n; i++) noisy[i] = uniform_open01(seed, (uint64_t)(index0 + i));
+#pragma omp simd
+    for (int i = 0; i < n; i++) {
+        float u = noisy[i] < TINY ? TINY : noisy[i];
+        u = u > 1.0f - 1e-7f ? 1.0f - 1e-7f : u;
+        noisy[i] = (logits[i] - logf(-logf(u))) * inv_tau;
+    }
 }
 
 #define DEFINE_DECODE(NAME, T, LOAD)                                                           \
@@ -134,14 +156,9 @@ static void softmax_into(const float *x, float *p, int n) {
                 for (int g = 0; g < group; g++) {                                               \
                     const float *p = probs + (int64_t)g * n;                                    \
                     if (score_mode == 2) {                                                      \
-                        const float inv_tau = 1.0f / tau[s];                                    \
                         const int64_t h = (int64_t)s * num_heads + kh * group + g;              \
-                        for (int i = 0; i < n; i++) {                                           \
-                            const int64_t idx = h * max_ctx + lo + i;                           \
-                            const float u = uniforms ? uniforms[idx]                            \
-                                                     : uniform_open01(seed, (uint64_t)idx);     \
-                            noisy[i] = (logits[(int64_t)g * n + i] + gumbel(u)) * inv_tau;      \
-                        }                                                                       \
+                        gumbel_logits(logits + (int64_t)g * n, uniforms, seed,                  \
+                                      h * max_ctx + lo, 1.0f / tau[s], noisy, n);               \
                         softmax_into(noisy, noisy, n);                                          \
                         p = noisy;                                                              \
                     }                                                                           \
