@@ -200,6 +200,7 @@ class PrefixStore:
         """Count the access; promote chunks that now outrank a faster tier's minimum."""
         nd: NodeData = node.payload
         dev, host = self.index["device"], self.index["host"]
+        pending = self._pending()
         for j, cid in enumerate(chunk_ids):
             key = (node.node_id, layer, cid)
             nd.freq[layer][cid] += 1
@@ -214,11 +215,16 @@ class PrefixStore:
             if dev.would_admit(layer, prio):
                 if src == "host":
                     host.remove(key)
-                self._place(key, prio, data[j : j + 1], "device")
+                self._place(key, prio, data[j : j + 1], "device", pending)
                 self.stats.promotions += 1
             elif src == "disk" and host.would_admit(layer, prio):
-                self._place(key, prio, data[j : j + 1], "host")
+                self._place(key, prio, data[j : j + 1], "host", pending)
                 self.stats.promotions += 1
+        self._flush(layer, pending)
+
+    @staticmethod
+    def _pending() -> dict[str, dict[int, tuple[ChunkKey, torch.Tensor]]]:
+        return {"device": {}, "host": {}}
 
     def _place(
         self,
@@ -226,22 +232,31 @@ class PrefixStore:
         prio: tuple,
         data: torch.Tensor,  # [1, 2, chunk, H, D]
         tier: str,
+        pending: dict[str, dict[int, tuple[ChunkKey, torch.Tensor]]],
     ) -> bool:
-        """Admit one chunk to ``tier``; a chunk it evicts from the device tier drops to host."""
+        """Admit one chunk to ``tier``; a chunk it evicts from the device tier drops to host.
+        Data moves are batched: ``pending[tier][slot]`` is what ``_flush`` writes there."""
         slot, evicted = self.index[tier].admit(key, prio)
         if slot is None:
             return False
         layer = key[1]
         if evicted is not None:
+            victim, vslot = evicted
+            vdata = pending[tier].pop(vslot, (None, None))[1]
             if tier == "device":
-                victim, vslot = evicted
-                vdata = self.data["device"].read(layer, [vslot])
+                if vdata is None:  # resident before this batch: its slot is not written yet
+                    vdata = self.data["device"].read(layer, [vslot])
                 vnd: NodeData = self.tree.nodes[victim[0]].payload
                 vprio = self._priority(vnd, layer, victim[2])
                 if self.index["host"].would_admit(layer, vprio):
-                    self._place(victim, vprio, vdata, "host")
-        self.data[tier].write(layer, [slot], data)
+                    self._place(victim, vprio, vdata, "host", pending)
+        pending[tier][slot] = (key, data)
         return True
+
+    def _flush(self, layer: int, pending: dict[str, dict[int, tuple[ChunkKey, torch.Tensor]]]) -> None:
+        for tier, moves in pending.items():
+            if moves:
+                self.data[tier].write(layer, list(moves), torch.cat([d for _, d in moves.values()]))
 
     # ------------------------------------------------------------------ loads
     def _match(self, tokens: list[int], max_tokens: int | None, need_scores: bool) -> list:
@@ -420,13 +435,15 @@ class PrefixStore:
         nd.checksums = self.disk.write_node(node.node_id, chunks)
         self.stats.disk_bytes_written += self.disk.sizes[node.node_id]
         for layer in range(L):
+            pending = self._pending()
             for c in range(C):
                 key = (node.node_id, layer, c)
                 prio = self._priority(nd, layer, c)
                 for tier in ("device", "host"):
                     if self.index[tier].would_admit(layer, prio):
-                        self._place(key, prio, chunks[layer, c : c + 1], tier)
+                        self._place(key, prio, chunks[layer, c : c + 1], tier, pending)
                         break
+            self._flush(layer, pending)
 
     def _read_logical(self, node: RadixNode) -> torch.Tensor:  # [L, n, 2, H, D] logical order
         nd: NodeData = node.payload
