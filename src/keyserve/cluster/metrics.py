@@ -74,7 +74,7 @@ class _EngineCollector(Collector):
             yield c
         yield from self._prefix_store(s.prefix_store)
 
-    def _prefix_store(self, ps: dict[str, int]):
+    def _prefix_store(self, ps: dict[str, float]):
         """IMPRESS prefix-store counters, per tier where they have one (only when it is on)."""
         if not ps:
             return

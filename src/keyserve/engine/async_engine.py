@@ -68,7 +68,7 @@ class EngineStats:
     prompt_tokens: int = 0  # over finished requests
     generation_tokens: int = 0
     num_steps: int = 0
-    prefix_store: dict[str, int] = field(default_factory=dict)  # empty when the store is off
+    prefix_store: dict[str, float] = field(default_factory=dict)  # empty when the store is off
 
     @property
     def kv_cache_usage(self) -> float:

@@ -487,7 +487,7 @@ class LLMEngine:
         return out
 
     # ---------------------------------------------------------------- helpers
-    def prefix_store_stats(self) -> dict[str, int]:
+    def prefix_store_stats(self) -> dict[str, float]:
         """Counters of the prefix store (hits, bytes read and evictions per tier, importance
         fallbacks, corrupt chunks); empty when it is off."""
         return self.prefix_store.stats() if self.prefix_store is not None else {}

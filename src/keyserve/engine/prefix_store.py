@@ -206,7 +206,7 @@ class EnginePrefixStore:
             self.runner.budget.release(seq)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ reporting
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         return self.store.sync_stats().to_dict()
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ counted, their nodes dropped, and the lookup retried: they are a miss, never ser
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Literal
 
@@ -78,8 +79,10 @@ class PrefixStoreStats:
     disk_bytes_written: int = 0
     splits: int = 0
     relayout_bytes_read: int = 0  # read to re-layout split nodes (not a request's load)
+    load_seconds: float = 0.0  # wall time spent in loads (reads, checks, promotions)
+    insert_seconds: float = 0.0  # and in inserts (gathers, repacking, disk writes, placement)
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, float]:
         return asdict(self)
 
 
@@ -134,6 +137,7 @@ class PrefixStore:
         self._ticks = itertools.count(1)
         self.chunk_bytes = disk.chunk_bytes
         self.last_importance: Any = None  # the latest judgement (inspection, benchmarks)
+        self.judgements: list[tuple[float, float]] = []  # (mean Jaccard over layers, threshold)
 
     # --------------------------------------------------------------- priority
     def _priority(self, nd: NodeData, layer: int, c: int) -> tuple:
@@ -282,6 +286,35 @@ class PrefixStore:
         ``start``: every token, or with ``important_only`` each node's important tokens (all of
         them in "load all" layers, and as many in every layer). With ``need_scores`` only nodes
         stored with attention scores count. None if nothing is stored."""
+        t0 = time.perf_counter()
+        try:
+            return self._load(tokens, max_tokens, start, important_only, need_scores)
+        finally:
+            self.stats.load_seconds += time.perf_counter() - t0
+
+    def insert(
+        self,
+        tokens: list[int],
+        read_kv: ReadKV,
+        scores: torch.Tensor | None = None,  # [L, H, >= aligned len] accumulated attention
+    ) -> int:
+        """Store the chunk-aligned part of ``tokens`` (exact KV, read through ``read_kv(start,
+        end)`` for the part not stored yet). Returns the number of tokens newly stored."""
+        t0 = time.perf_counter()
+        try:
+            return self._insert(tokens, read_kv, scores)
+        finally:
+            self.stats.insert_seconds += time.perf_counter() - t0
+
+    def _load(
+        self,
+        tokens: list[int],
+        max_tokens: int,
+        start: int = 0,
+        important_only: bool = False,
+        need_scores: bool = False,
+    ) -> LoadedPrefix | None:
+        """``load`` without the clock; a corrupt chunk drops its node and retries the lookup."""
         while True:
             path = self._match(tokens, max_tokens, need_scores)
             m = sum(s.num_tokens for s in path)
@@ -338,7 +371,7 @@ class PrefixStore:
         return pieces
 
     # ---------------------------------------------------------------- inserts
-    def insert(
+    def _insert(
         self,
         tokens: list[int],
         read_kv: ReadKV,
@@ -371,6 +404,7 @@ class PrefixStore:
             self.stats.importance_layers += self.layout.num_layers
             self.stats.importance_fallbacks += imp.num_fallbacks
             self.last_importance = imp
+            self.judgements.append((float(imp.mean_jaccard.mean()), float(imp.threshold)))
             for node in nodes:  # stored without scores: now they are known, repack the node
                 if node.payload.scores is None:
                     self._upgrade(node, imp, scores, read_kv)
