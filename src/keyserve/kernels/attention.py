@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from keyserve.kernels import reference
+from keyserve.kernels import cpu_paths, reference
 from keyserve.kernels.metadata import AttentionMetadata
 from keyserve.kernels.native import decode as native_decode
 from keyserve.kernels.native import write_kv as native_write
@@ -63,6 +63,8 @@ def paged_attention(
         if n_dec and native_decode.supports(query, k_cache):
             decode_fn = native_decode.paged_decode_attention_native
         prefill_fn = reference.paged_prefill_attention_reference
+        if meta.num_prefill_seqs and meta.score_mode is not None:
+            prefill_fn = _prefill_with_fast_scores
     tau = meta.tau
     outs = []
     dec_scores = pre_scores = None
@@ -96,3 +98,27 @@ def _with_scores(fn, args: tuple, meta: AttentionMetadata, tau: torch.Tensor | N
     _, noisy = fn(*args, sliding_window=window, score_mode="gumbel", tau=tau)
     gumbel = meta.gumbel_rows[rows].to(plain.device)[:, None, None]
     return out, torch.where(gumbel, noisy, plain)
+
+
+def _prefill_with_fast_scores(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    sliding_window: int | None = None,
+    score_mode: str | None = None,
+    tau: torch.Tensor | None = None,  # [num_seqs] float32
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """CPU prefill with score output: SDPA for the output, chunked matmuls for the scores
+    (``cpu_paths.prefill_sdpa_scores``), with the reference's contract."""
+    if score_mode is None:
+        return reference.paged_prefill_attention_reference(
+            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window)
+    if score_mode == "gumbel" and tau is None:
+        raise ValueError("tau: score_mode='gumbel' needs the per-sequence temperature")
+    return cpu_paths.prefill_sdpa_scores(
+        query, k_cache, v_cache, block_tables, query_start_loc.tolist(), context_lens.tolist(),
+        scale, sliding_window, score_mode, tau)

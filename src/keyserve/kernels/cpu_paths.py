@@ -192,3 +192,73 @@ def prefill_sdpa(
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=True)
         out[q_start:q_end] = o[0].transpose(0, 1).to(query.dtype)
     return out
+
+
+SCORE_CHUNK_BYTES = 16 << 20  # logits of one query chunk: [heads, rows, slots] float32
+
+
+def prefill_sdpa_scores(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
+    starts: list[int],  # [num_seqs + 1] query offsets
+    lens: list[int],  # slots after this chunk, per sequence
+    scale: float,
+    sliding_window: int | None,
+    score_mode: str,
+    tau: torch.Tensor | None,  # [num_seqs] float (gumbel only)
+    uniforms: torch.Tensor | None = None,  # [num_tokens, num_heads, max_context] (tests)
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [num_tokens, num_heads, head_dim], scores
+    """Prefill attention that also returns the KV-budget scores ([num_seqs, num_kv_heads,
+    max_context] float32, summed over the chunk's queries and the group's heads).
+
+    The output comes from fused SDPA as in ``prefill_sdpa``; the scores from one more pass of
+    batched matmuls over query chunks whose logits stay within ``SCORE_CHUNK_BYTES``, softmaxed
+    in place and summed, instead of the reference's materialised ``[heads, queries, slots]``
+    logits with separate passes for output and scores."""
+    out = prefill_sdpa(query, k_cache, v_cache, block_tables, starts, lens, scale, sliding_window)
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    max_ctx = max(lens) if lens else 0
+    scores = torch.zeros(len(lens), num_kv_heads, max_ctx, dtype=torch.float32, device=query.device)
+    device = query.device
+    for i, ctx in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0 or ctx == 0:
+            continue
+        prefix = ctx - q_len
+        lo = 0 if sliding_window is None else max(0, prefix - sliding_window + 1)
+        b0, b1 = lo // block_size, (ctx + block_size - 1) // block_size
+        first = b0 * block_size
+        k, _ = _gather_kv(k_cache, v_cache, block_tables[i : i + 1, b0:b1])
+        k = k[0, :, : ctx - first].float()  # [num_kv_heads, slots, head_dim]
+        slots = ctx - first
+        q = query[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
+        q = q.permute(1, 2, 0, 3)  # [num_kv_heads, group, q_len, head_dim]
+        cols = torch.arange(first, ctx, device=device)[None, :]
+        rows_per_chunk = max(1, SCORE_CHUNK_BYTES // (4 * num_heads * slots))
+        for r0 in range(0, q_len, rows_per_chunk):
+            r1 = min(q_len, r0 + rows_per_chunk)
+            n = r1 - r0
+            qc = q[:, :, r0:r1].reshape(num_kv_heads, group * n, head_dim)
+            logits = torch.bmm(qc, k.transpose(1, 2)).mul_(scale)  # [Hkv, group * n, slots]
+            logits = logits.view(num_kv_heads, group, n, slots)
+            pos = torch.arange(r0, r1, device=device)[:, None] + prefix
+            masked = cols > pos  # [n, slots]
+            if sliding_window is not None:
+                masked |= cols <= pos - sliding_window
+            if score_mode == "gumbel":
+                if uniforms is not None:
+                    u = uniforms[q_start + r0 : q_start + r1, :, first:ctx].float()
+                    u = u.view(n, num_kv_heads, group, slots).permute(1, 2, 0, 3)
+                else:
+                    u = torch.rand_like(logits)
+                u = u.clamp(1e-20, 1.0 - 1e-7)
+                logits = logits.sub_(torch.log(-torch.log(u))).div_(tau[i].float())
+            logits.masked_fill_(masked, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)  # every row keeps its own slot: no empty row
+            scores[i, :, first:ctx] += probs.sum(dim=(1, 2))
+    return out, scores
