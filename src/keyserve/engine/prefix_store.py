@@ -119,9 +119,12 @@ class EnginePrefixStore:
         if state is None or seq.num_computed_tokens < self.store.chunk:
             return
         n = state.num_slots
-        if n != seq.num_computed_tokens or n > len(seq.block_table) * self.block_size or not bool((state.positions == torch.arange(n, device=state.device)).all()):
+        if n != seq.num_computed_tokens or n > len(seq.block_table) * self.block_size:
+            return
+        if not bool((state.positions == torch.arange(n, device=state.device)).all()):
             return  # loaded with tokens dropped: its later KV is approximate, never stored
-        scores = state.scores.float().cpu().clone() if state.spec.by_score else None  # (a view: compaction rewrites it)
+        # A copy: ``state.scores`` is a view that compaction and later steps rewrite.
+        scores = state.scores.float().cpu().clone() if state.spec.by_score else None
         tokens = seq.token_ids[:n]
         table = list(seq.block_table)
         self.store.insert(tokens, lambda a, b: self._gather(table, a, b), scores)
