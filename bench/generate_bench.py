@@ -117,6 +117,7 @@ def hf_padded_subprocess(path: str, dtype: str, num: int, timeout_s: int, batch:
     ``(useful tok/s, elapsed s, batches done)``; ``(0, timeout, 0)`` if not even one finished."""
     code = f"""
 import time, torch, json, sys
+torch.set_num_threads({torch.get_num_threads()})
 sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from bench.workloads import mixed_requests
@@ -175,6 +176,7 @@ def hf_generate_batch_subprocess(path: str, dtype: str, num: int, timeout_s: int
     """transformers' continuous batching, in a child process we can stop at ``timeout_s``."""
     code = f"""
 import time, torch, json, sys
+torch.set_num_threads({torch.get_num_threads()})
 sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from bench.workloads import mixed_requests
@@ -252,6 +254,7 @@ def measure_dtype(dtype: str, args: argparse.Namespace, bw: float, fp32_gflops: 
         "hf_padded_total_batches": -(-args.num_requests // 16), "hf_padded_timeout": args.hf_padded_timeout,
         "hf_batch_tput": cb_tput, "hf_batch_timeout": None if args.skip_hf_batch else args.hf_batch_timeout,
         "num_requests": args.num_requests, "decode_tokens": args.decode_tokens,
+        "threads": torch.get_num_threads(),
         "command": "python bench/generate_bench.py " + " ".join(sys.argv[1:]),
     }
 
@@ -306,8 +309,13 @@ def main() -> None:
     ap.add_argument("--hf-padded-timeout", type=int, default=1200, help="seconds for transformers' padded batches")
     ap.add_argument("--hf-batch-timeout", type=int, default=600, help="seconds for generate_batch")
     ap.add_argument("--skip-hf-batch", action="store_true")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads for keyserve and transformers alike (0: torch's default); "
+                         "1 gives each side one whole core when the machine is shared")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     bw = measure_bandwidth_gbs()
     fp32_gflops = measure_matmul_gflops(torch.float32)
@@ -325,8 +333,8 @@ def main() -> None:
     _plot({r["dtype"]: (r["keyserve_decode"], r["hf_decode"], r["bound_tok_s"], r["keyserve_tput"],
                         r["hf_padded_tput"], r["hf_batch_tput"] or 0.0) for r in records},
           Path(__file__).resolve().parent.parent / "docs" / "bench_generate.png")
-    runs = "; ".join(f"{r['dtype']}: `{r['command']}` on {r['date']} (load average before {r['load_before']}, "
-                     f"after {r['load_after']})" for r in records)
+    runs = "; ".join(f"{r['dtype']}: `{r['command']}` on {r['date']} ({r.get('threads', '?')} torch thread(s) on "
+                     f"both sides; load average before {r['load_before']}, after {r['load_after']})" for r in records)
     body = (
         f"Runs: {runs}. Results are kept per dtype in `docs/bench_generate.json`.  \n"
         f"Machine: {machine()}\n\n"
