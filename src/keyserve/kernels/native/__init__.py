@@ -99,7 +99,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i, f, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_uint64
     lib.keyserve_paged_decode.restype = None
     lib.keyserve_paged_decode.argtypes = [
-        p, p, p, i, p, i, p, i, i, i, i, i, f, i, p, i, p, p, u64, p, i, i,
+        p, p, p, i, p, i, p, i, i, i, i, i, f, i, p, i, p, p, u64, p, i, i, i,
     ]
     lib.keyserve_write_kv.restype = None
     lib.keyserve_write_kv.argtypes = [p, p, p, p, p, i, i, i, i, i, i]

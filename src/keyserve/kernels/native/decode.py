@@ -12,8 +12,11 @@ _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 PARALLEL_MIN_ROWS = 8192
 
 
-def _threads(rows: int) -> int:
-    return torch.get_num_threads() if rows >= PARALLEL_MIN_ROWS else 1
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as a contiguous tensor of ``dtype``, without a copy when it already is one."""
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def supports(
@@ -57,20 +60,20 @@ def paged_decode_attention_native(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if v_cache.dtype != k_cache.dtype or not v_cache.is_contiguous():
         raise ValueError("v_cache must be contiguous with k_cache's dtype")
-    q = query.to(torch.float32).contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
-    if max_context is None:
+    q = _as(query, torch.float32)
+    tables = _as(block_tables, torch.int32)
+    lens = _as(context_lens, torch.int32)
+    mode = {None: 0, "softmax": 1, "gumbel": 2}[score_mode]
+    if mode and max_context is None:
         max_context = int(lens.max()) if num_seqs else 0
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
-    mode = {None: 0, "softmax": 1, "gumbel": 2}[score_mode]
     scores = None
     if mode:
         scores = torch.empty(num_seqs, num_kv_heads, max_context, dtype=torch.float32)
-    tau_f = None if tau is None else tau.to(torch.float32).contiguous()
+    tau_f = None if tau is None else _as(tau, torch.float32)
     u = None
-    if uniforms is not None:
-        u = uniforms.to(torch.float32).contiguous()
+    if uniforms is not None and mode == 2:  # only Gumbel scores draw noise
+        u = _as(uniforms, torch.float32)
         if tuple(u.shape) != (num_seqs, num_heads, max_context):
             raise ValueError(f"uniforms: expected {(num_seqs, num_heads, max_context)}, got {tuple(u.shape)}")
     seed = int(torch.randint(0, 2**62, (1,)).item()) if mode == 2 and u is None else 0
@@ -81,7 +84,7 @@ def paged_decode_attention_native(
             num_kv_heads, head_dim, block_size, float(scale),
             sliding_window if sliding_window is not None else 0, out.data_ptr(), mode,
             None if tau_f is None else tau_f.data_ptr(), None if u is None else u.data_ptr(),
-            seed, None if scores is None else scores.data_ptr(), max_context,
-            _threads(num_seqs * num_kv_heads * max_context),
+            seed, None if scores is None else scores.data_ptr(),
+            -1 if max_context is None else max_context, torch.get_num_threads(), PARALLEL_MIN_ROWS,
         )
     return out.to(query.dtype), scores
