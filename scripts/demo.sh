@@ -10,7 +10,7 @@ PORT=${PORT:-8000}
 LOG=$(mktemp -t keyserve-demo-XXXX.log)
 .venv/bin/keyserve serve --port "$PORT" >"$LOG" 2>&1 &
 server=$!
-stop() { kill -INT "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; }
+stop() { kill -TERM "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; }
 trap stop EXIT
 echo "demo: starting keyserve serve on port $PORT (log: $LOG)" >&2
 for _ in $(seq 600); do

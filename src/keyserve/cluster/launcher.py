@@ -85,6 +85,9 @@ def _block_then(cleanup) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    # A shell starts background jobs with SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler: take SIGINT explicitly so `kill -INT` stops a background server.
+    signal.signal(signal.SIGINT, stop)
     try:
         while True:
             time.sleep(3600)
