@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -28,8 +29,13 @@ RAY = str(Path(sys.executable).with_name("ray"))
 pytestmark = pytest.mark.skipif(not Path(RAY).exists(), reason="the ray CLI is not installed")
 
 
+# A token of this test's own: on a fresh machine there is no ~/.ray/auth_token, and with
+# RAY_AUTH_MODE=token `ray start` refuses to start without one (it creates none itself).
+AUTH_TOKEN = secrets.token_hex(32)
+
+
 def ray_env() -> dict[str, str]:
-    return {**os.environ, "RAY_AUTH_MODE": "token", "OMP_NUM_THREADS": "1",
+    return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": AUTH_TOKEN, "OMP_NUM_THREADS": "1",
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
