@@ -172,3 +172,27 @@ def test_cli_and_serve_flags_reach_the_spec_config() -> None:
     ns = serve_parser().parse_args(["--draft", "d", "--draft-kv-policy", "h2o", "--draft-kv-budget", "64"])
     spec = ServeArgs(**model_kwargs(ns, ServeArgs)).engine_config().spec
     assert (spec.draft_kv_policy, spec.draft_kv_budget) == ("h2o", 64.0)
+
+
+def test_mirror_rebuilt_when_target_diverges_below_the_settled_point(budgeted_draft) -> None:
+    """Nothing in the engine rewrites accepted tokens, but if the target's tokens ever differ
+    below what a budgeted mirror settled (its evicted tokens would be needed), the mirror is
+    re-prefilled from the target's tokens instead of keeping stale KV."""
+    from keyserve.core.sequence import Sequence
+
+    drafter = budgeted_draft("h2o").engine.spec.drafter
+    target = Sequence("r", list(range(5, 25)), _greedy(30))
+    target.output_token_ids = [7, 8, 9]
+    drafter.propose([target], [3])
+    mirror = drafter.mirrors[target.seq_id]
+    settled = drafter.settled[target.seq_id]
+    assert mirror.kv_slot_cap == DRAFT_BUDGET and settled == target.num_tokens
+    target.output_token_ids = [7, 11, 12, 13]  # differs at a position already settled
+    drafter.propose([target], [3])
+    state = drafter.runner.budget.states[mirror.seq_id]
+    assert drafter.settled[target.seq_id] == target.num_tokens  # re-prefilled and compacted again
+    assert int(state.positions.max()) < mirror.num_computed_tokens
+    assert state.num_slots <= DRAFT_BUDGET + 3
+    drafter.release(target)
+    assert drafter.block_manager.num_free_blocks == drafter.block_manager.num_blocks
+    assert not drafter.runner.budget.states
