@@ -16,7 +16,8 @@ own drafts -- goes into *spare* slots beyond k without evicting anything; at the
 once the target has decided, ``SettleOp`` drops the spare slots of rejected positions and
 applies the evictions the kept ones imply (``KVBudgetState.rollback`` + ``evict_down_to``),
 and the blocks past the kept slots go back to the pool. So a mirror never holds KV of a
-rejected token, holds at most k + K + 1 slots, and needs no re-prefill. (Accumulated scores do
+rejected token, holds at most k + K + 1 slots (plus any target tokens it missed while it could
+not draft, e.g. with its pool full), and needs no re-prefill. (Accumulated scores do
 include the attention of rejected draft queries: that only steers the draft's own choices.)
 Should the target ever disagree below the last settled point (nothing in the engine does
 that), the mirror is dropped and re-prefilled from the target's tokens.
