@@ -24,6 +24,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="draft model for speculative sampling")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per step (K)")
     p.add_argument("--adaptive-k", action="store_true", help="pick K from the running acceptance rate")
+    p.add_argument("--draft-kv-policy", default=None,
+                   choices=["full", "window", "streaming_llm", "h2o", "keyformer"],
+                   help="KV policy of the draft's own cache (output stays exact)")
+    p.add_argument("--draft-kv-budget", type=float, default=None,
+                   help="KV budget of the draft (fraction of prompt if <= 1, else tokens)")
     p.add_argument("--default-kv-policy", default=None,
                    choices=["full", "window", "streaming_llm", "h2o", "keyformer"],
                    help="KV policy for requests that name none")
@@ -46,6 +51,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         draft=args.draft,
         num_speculative_tokens=args.num_speculative_tokens,
         adaptive_k=True if args.adaptive_k else None,
+        draft_kv_policy=args.draft_kv_policy,
+        draft_kv_budget=args.draft_kv_budget,
         default_kv_policy=args.default_kv_policy,
         default_kv_budget=args.default_kv_budget,
     )

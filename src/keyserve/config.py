@@ -112,6 +112,16 @@ class SpecConfig(_Strict):
     speculative_by_default: bool = Field(
         True, description="Requests that do not say use speculation when a draft is loaded."
     )
+    draft_kv_policy: KVPolicyName = Field(
+        "full", description="KV policy of the draft's own cache (a cheaper draft; output stays exact)."
+    )
+    draft_kv_budget: float | None = Field(
+        None, gt=0.0,
+        description="KV budget of the draft: fraction of the prompt if <= 1, else tokens per (layer, head).",
+    )
+    draft_recent_ratio: float = Field(
+        0.3, ge=0.0, le=1.0, description="Share of the draft's KV budget kept for the most recent tokens."
+    )
 
 
 class ParallelConfig(_Strict):
@@ -267,6 +277,10 @@ class ServeConfig(_Strict):
     draft: str | None = Field(None, description="Draft model for speculative sampling.")
     num_speculative_tokens: int | None = Field(None, ge=1, le=16, description="Draft tokens per step.")
     adaptive_k: bool | None = Field(None, description="Pick K from the running acceptance rate.")
+    draft_kv_policy: KVPolicyName | None = Field(None, description="KV policy of the draft's own cache.")
+    draft_kv_budget: float | None = Field(
+        None, gt=0.0, description="KV budget of the draft (fraction of the prompt if <= 1, else tokens)."
+    )
     default_kv_policy: KVPolicyName | None = Field(None, description="KV policy when a request names none.")
     default_kv_budget: float | None = Field(None, gt=0.0, description="KV budget when a request gives none.")
     seed: int | None = Field(None, ge=0, description="Seed of the engine's global RNG.")

@@ -65,10 +65,12 @@ def test_plain_and_kv_budgets_equal_in_process(stories_path: str) -> None:
     assert any(o.stats.kv_tokens_evicted for o in got)
 
 
-def test_speculative_equals_in_process(stories_path: str, draft_dir: str) -> None:
+@pytest.mark.parametrize("draft_kv_policy", [None, "h2o"])  # h2o: a budgeted draft, deterministic
+def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_kv_policy: str | None) -> None:
     prompts = _prompts(32, seed=2)
     params = [_params(i, num_speculative_tokens=1 + i % 4) for i in range(32)]
-    opts = dict(OPTIONS, draft=draft_dir)
+    opts = dict(OPTIONS, draft=draft_dir, draft_kv_policy=draft_kv_policy,
+                draft_kv_budget=0.5 if draft_kv_policy else None)
     want = LLM(stories_path, **opts).generate(prompts, params)
     with RayLLM(stories_path, worker_threads=1, **opts) as ray_llm:
         got = ray_llm.generate(prompts, params)

@@ -21,7 +21,7 @@ from keyserve.config import ParallelConfig
 from keyserve.core.block_manager import BlockManager
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import Sequence
-from keyserve.engine.draft_worker import DraftWorker, Proposal
+from keyserve.engine.draft_worker import DraftBudget, DraftWorker, Proposal
 from keyserve.engine.model_runner import ModelRunner
 
 
@@ -34,6 +34,7 @@ class DraftSpec:
     num_blocks: int
     block_size: int
     seed: int
+    budget: DraftBudget = field(default_factory=DraftBudget)  # the draft's own KV budget
 
 
 @dataclass
@@ -47,7 +48,8 @@ class DraftEntry:
 @dataclass
 class DraftBatch:
     entries: list[DraftEntry]
-    infos: dict[int, tuple[str, SamplingParams, int, float]]  # new seq_id -> (request, params, sample, arrival)
+    # new seq_id -> (request, params, sample, arrival, prompt tokens)
+    infos: dict[int, tuple[str, SamplingParams, int, float, int]]
     released: list[int] = field(default_factory=list)
     incarnation: str | None = None  # the actor the client believes it talks to
 
@@ -100,7 +102,7 @@ class DraftActor:
             num_layers=draft.config.num_hidden_layers, num_kv_heads=kv[0][0].shape[2],
         )
         self.worker = DraftWorker(runner, BlockManager(spec.num_blocks, spec.block_size, True),
-                                  draft.config.vocab_size)
+                                  draft.config.vocab_size, spec.budget)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in draft.model.parameters())
         self.targets: dict[int, Sequence] = {}
         self.incarnation = new_incarnation()
@@ -120,12 +122,15 @@ class DraftActor:
         for entry in batch.entries:
             target = self.targets.get(entry.seq_id)
             if target is None:
-                request_id, params, sample_index, arrival = batch.infos[entry.seq_id]
-                target = Sequence(request_id, [], params, arrival=arrival, sample_index=sample_index,
-                                  seq_id=entry.seq_id)
+                request_id, params, sample_index, arrival, num_prompt = batch.infos[entry.seq_id]
+                target = Sequence(request_id, entry.tail[:num_prompt], params, arrival=arrival,
+                                  sample_index=sample_index, seq_id=entry.seq_id)
+                target.output_token_ids = entry.tail[num_prompt:]
                 self.targets[entry.seq_id] = target
-            del target.prompt_token_ids[entry.base :]
-            target.prompt_token_ids.extend(entry.tail)
+            else:  # the prompt never changes; keep the engine's prompt/output split
+                n = target.num_prompt_tokens
+                del target.output_token_ids[max(0, entry.base - n) :]
+                target.output_token_ids.extend(entry.tail[max(0, n - entry.base) :])
             targets.append(target)
         proposal = self.worker.propose(targets, [e.num_draft for e in batch.entries])
         return DraftTokens(proposal.token_ids, proposal.num_draft, self.incarnation), proposal.probs
@@ -209,7 +214,8 @@ class RemoteDrafter:
         for seq, n in zip(targets, num_draft):
             base = self._seen.get(seq.seq_id)
             if base is None:
-                infos[seq.seq_id] = (seq.request_id, seq.params, seq.sample_index, seq.arrival)
+                infos[seq.seq_id] = (seq.request_id, seq.params, seq.sample_index, seq.arrival,
+                                     seq.num_prompt_tokens)
                 base = 0
             entries.append(DraftEntry(seq.seq_id, base, seq.token_ids[base:], n))
         released, self._released = self._released, []

@@ -19,6 +19,7 @@ import torch
 
 from keyserve.actors.common import CoreLost, ShardLost, ensure_ray
 from keyserve.actors.draft_worker import DraftSpec, RemoteDrafter
+from keyserve.engine.draft_worker import draft_budget
 from keyserve.actors.kv_manager import CoreSpec, RemoteCore, views
 from keyserve.actors.target_group import TargetGroup, worker_gpus
 from keyserve.actors.tp_worker import WorkerSpec, check_tp_fits
@@ -75,7 +76,7 @@ class RayEngine(LLMEngine):
                 gpus = par.draft_num_gpus if par.draft_num_gpus is not None else worker_gpus(par, config.model.device)
                 self.drafter_client = RemoteDrafter(
                     DraftSpec(config.spec.draft, model_dir, config.model.dtype, config.model.device,
-                              num_blocks, block_size, config.seed),
+                              num_blocks, block_size, config.seed, draft_budget(config.spec)),
                     par, gpus,
                 )
                 cost = config.spec.draft_cost_ratio or min(1.0, self.drafter_client.weight_bytes / self.group.weight_bytes)

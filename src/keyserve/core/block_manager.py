@@ -126,6 +126,17 @@ class BlockManager:
             seq.block_table.append(self.pool.allocate().block_id)
         return copies
 
+    def grow_to(self, seq: Sequence, num_slots: int) -> bool:
+        """Hold blocks for at least ``num_slots`` slots, appending fresh ones; all or nothing.
+        For a private sequence whose slot count is decided outside the token count (a draft
+        mirror under a KV budget: k kept slots plus spare slots for speculative tokens)."""
+        need = self.blocks_for_slots(num_slots) - len(seq.block_table)
+        if need > self.pool.num_free_blocks:
+            return False
+        for _ in range(max(0, need)):
+            seq.block_table.append(self.pool.allocate().block_id)
+        return True
+
     def _blocks_written(
         self, seq: Sequence, slots_now: int, slots_after: int, writes_past_cap: bool
     ) -> list[int]:

@@ -6,6 +6,21 @@ the target's tokens and rolled back to the longest prefix whose KV is still vali
 drafts keep theirs, rejected ones are truncated away). Proposing runs one catch-up forward (the
 new tokens since last time, or the whole prompt on first use) and K − 1 decode forwards, each
 batched over all sequences, keeping the draft distribution p at every position.
+
+A draft under a KV budget (``DraftBudget``: a cheaper draft; the rejection step keeps the
+output exact whatever the draft proposes) runs each mirror like a budgeted target sequence in
+its own runner and pool: prompt-phase selection and compaction after the first forward, then k
+kept slots. Evicted tokens never come back, so a budgeted mirror cannot be rolled back by
+truncation. Instead every token it computes after compaction -- the catch-up tokens and its
+own drafts -- goes into *spare* slots beyond k without evicting anything; at the next sync,
+once the target has decided, ``SettleOp`` drops the spare slots of rejected positions and
+applies the evictions the kept ones imply (``KVBudgetState.rollback`` + ``evict_down_to``),
+and the blocks past the kept slots go back to the pool. So a mirror never holds KV of a
+rejected token, holds at most k + K + 1 slots (plus any target tokens it missed while it could
+not draft, e.g. with its pool full), and needs no re-prefill. (Accumulated scores do
+include the attention of rejected draft queries: that only steers the draft's own choices.)
+Should the target ever disagree below the last settled point (nothing in the engine does
+that), the mirror is dropped and re-prefilled from the target's tokens.
 """
 
 from __future__ import annotations
@@ -14,12 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
+from keyserve.config import SpecConfig
 from keyserve.core.block_manager import BlockManager
+from keyserve.core.kv_policy import BudgetSpec
 from keyserve.core.sampler import SamplingTensors, exponential_noise, make_generator, processed_probs
 from keyserve.core.scheduler import ScheduledSeq, StepPlan
 from keyserve.core.sequence import Sequence
+from keyserve.engine.kv_budget import resolve_budget
 from keyserve.engine.model_runner import ModelRunner
-from keyserve.engine.step_input import logits_step_input
+from keyserve.engine.step_input import CompactOp, SeqInfo, SettleOp, StepInput, logits_step_input
 
 
 @dataclass
@@ -29,13 +47,39 @@ class Proposal:
     num_draft: torch.Tensor  # [num_seqs] int64: drafts actually proposed per sequence
 
 
+@dataclass
+class DraftBudget:
+    """The KV budget every draft mirror runs under (engine-wide, independent of the request's
+    own budget on the target): budget as a fraction of the prompt (<= 1) or tokens (> 1)."""
+
+    policy: str = "full"
+    budget: float | None = None
+    recent_ratio: float = 0.3
+
+    def spec_for(self, num_prompt_tokens: int) -> BudgetSpec | None:
+        return resolve_budget(self.policy, self.budget, num_prompt_tokens, self.recent_ratio)
+
+
+def draft_budget(config: SpecConfig) -> DraftBudget:
+    return DraftBudget(config.draft_kv_policy, config.draft_kv_budget, config.draft_recent_ratio)
+
+
 class DraftWorker:
-    def __init__(self, runner: ModelRunner, block_manager: BlockManager, vocab_size: int) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        block_manager: BlockManager,
+        vocab_size: int,
+        budget: DraftBudget | None = None,
+    ) -> None:
         self.runner = runner
         self.block_manager = block_manager
         self.vocab_size = vocab_size
+        self.budget = budget or DraftBudget()
         self.mirrors: dict[int, Sequence] = {}
         self.generators: dict[int, torch.Generator | None] = {}
+        self.specs: dict[int, BudgetSpec] = {}  # target seq_id -> the budget of its mirror
+        self.settled: dict[int, int] = {}  # target seq_id -> tokens valid at the last settle
 
     # --------------------------------------------------------------- mirrors
     def _sync(self, target: Sequence) -> Sequence:
@@ -47,6 +91,10 @@ class DraftWorker:
             self.mirrors[target.seq_id] = mirror
             seed = None if target.params.seed is None else target.params.seed ^ 0x5EED
             self.generators[target.seq_id] = make_generator(seed, target.sample_index)
+            spec = self.budget.spec_for(target.num_prompt_tokens)
+            if spec is not None:
+                self.specs[target.seq_id] = spec
+                mirror.kv_budgeted = True  # never offered as a cached prefix
             return mirror
         old = mirror.token_ids
         # KV is valid for the computed tokens that still agree with the target. Only the tail
@@ -60,20 +108,85 @@ class DraftWorker:
         mirror.prompt_token_ids = list(tokens)
         mirror.output_token_ids = []
         mirror.num_computed_tokens = common
-        self.block_manager.truncate(mirror, common)
+        if mirror.kv_slot_cap is not None:  # budgeted and compacted
+            self._settle(target.seq_id, mirror, common)
+        else:
+            self.block_manager.truncate(mirror, common)
         return mirror
+
+    def _settle(self, target_id: int, mirror: Sequence, common: int) -> None:
+        """A budgeted mirror keeps its first ``common`` tokens: rejected spare slots dropped,
+        evictions applied, blocks past the kept slots freed (see the module docstring)."""
+        if common < self.settled[target_id]:  # tokens already evicted would be needed again
+            self._restart(mirror)
+            return
+        self.runner.apply_ops([SettleOp(mirror.seq_id, list(mirror.block_table), common)])
+        self.block_manager.truncate(mirror, self._held(mirror))
+        self.settled[target_id] = common
+
+    def _restart(self, mirror: Sequence) -> None:
+        """Forget the mirror's KV; the next forward re-prefills it under its budget."""
+        self.block_manager.free(mirror)
+        self.runner.release(mirror.seq_id)
+        mirror.num_computed_tokens = 0
+        mirror.kv_slot_cap = None
+
+    def _compact(self, target_id: int, mirror: Sequence) -> None:
+        """Prompt-phase selection right after a budgeted mirror's first forward: k tokens per
+        (layer, head) kept in the first blocks, the rest back to the pool."""
+        k = self.specs[target_id].budget
+        assert k is not None
+        self.runner.apply_ops([CompactOp(mirror.seq_id, list(mirror.block_table), k)])
+        self.block_manager.truncate(mirror, self._held(mirror))
+        mirror.kv_slot_cap = k
+        self.settled[target_id] = mirror.num_computed_tokens
+
+    def _held(self, mirror: Sequence) -> int:
+        """Slots a budgeted mirror holds per (layer, head) (the runner is always local)."""
+        return self.runner.budget.states[mirror.seq_id].num_slots
+
+    def _reserve(self, mirror: Sequence, num_new: int) -> bool:
+        """Blocks for the next ``num_new`` tokens: spare slots past the kept ones for a
+        compacted budgeted mirror, else the usual one slot per token."""
+        if mirror.kv_slot_cap is not None:
+            return self.block_manager.grow_to(mirror, self._held(mirror) + num_new)
+        return self.block_manager.allocate_slots(mirror, num_new) is not None
 
     def release(self, target: Sequence) -> None:
         mirror = self.mirrors.pop(target.seq_id, None)
         self.generators.pop(target.seq_id, None)
+        self.specs.pop(target.seq_id, None)
+        self.settled.pop(target.seq_id, None)
         if mirror is not None:
             self.block_manager.free(mirror)
+            self.runner.release(mirror.seq_id)
 
     def release_all(self) -> None:
         for mirror in self.mirrors.values():
             self.block_manager.free(mirror)
+            self.runner.release(mirror.seq_id)
         self.mirrors.clear()
         self.generators.clear()
+        self.specs.clear()
+        self.settled.clear()
+
+    def _step_input(self, plan: StepPlan, targets: dict[int, Sequence], step: int) -> StepInput:
+        """The forward's input; budgeted mirrors carry their budget (spare slots once
+        compacted) and, the first time, their sampling info (Keyformer's schedule)."""
+        out = logits_step_input(plan, rows=1)
+        mirrors = {s.seq.seq_id: s.seq for s in plan.scheduled}
+        for item in out.items:
+            target = targets[item.seq_id]
+            spec = self.specs.get(target.seq_id)
+            if spec is None:
+                continue
+            mirror = mirrors[item.seq_id]
+            item.budget = spec
+            item.spare = mirror.kv_slot_cap is not None
+            item.num_output_tokens = len(target.output_token_ids) + step
+            if item.seq_id not in self.runner.seq_infos:
+                out.seq_infos[item.seq_id] = SeqInfo(target.params, target.sample_index)
+        return out
 
     # --------------------------------------------------------------- propose
     @torch.inference_mode()
@@ -91,7 +204,7 @@ class DraftWorker:
             for i in active:
                 m = mirrors[i]
                 n = m.num_tokens - m.num_computed_tokens
-                if self.block_manager.allocate_slots(m, n) is None:
+                if not self._reserve(m, n):
                     continue  # no room in the draft pool: stop drafting for this sequence
                 items.append((i, ScheduledSeq(m, n)))
             if not items:
@@ -101,7 +214,8 @@ class DraftWorker:
                 prefill=[it for _, it in items if it.num_new_tokens > 1],
             )
             order = {id(it): i for i, it in items}
-            result = self.runner.execute(logits_step_input(plan, rows=1))
+            by_mirror = {it.seq.seq_id: targets[i] for i, it in items}
+            result = self.runner.execute(self._step_input(plan, by_mirror, step))
             batch = [order[id(it)] for it in plan.scheduled]
             logits = torch.cat([result.logits[mirrors[i].seq_id] for i in batch])  # [n, vocab]
             st = SamplingTensors.from_params([targets[i].params for i in batch], logits.device)
@@ -111,6 +225,8 @@ class DraftWorker:
             for row, i in enumerate(batch):
                 m = mirrors[i]
                 m.num_computed_tokens = m.num_tokens
+                if targets[i].seq_id in self.specs and m.kv_slot_cap is None:
+                    self._compact(targets[i].seq_id, m)
                 token = int(drawn[row])
                 tokens[i, step] = token
                 probs[i, step] = p[row].cpu()

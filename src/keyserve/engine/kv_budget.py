@@ -36,10 +36,18 @@ def budget_spec(seq: Sequence, defaults: BudgetDefaults) -> BudgetSpec | None:
     p = seq.params
     policy = p.kv_policy or defaults.policy
     budget = p.kv_budget if p.kv_budget is not None else defaults.budget
+    return resolve_budget(policy, budget, seq.num_prompt_tokens, p.recent_ratio)
+
+
+def resolve_budget(
+    policy: str, budget: float | None, num_prompt_tokens: int, recent_ratio: float
+) -> BudgetSpec | None:
+    """k from a budget given as a fraction of the prompt (<= 1) or a token count (> 1);
+    None when nothing is ever evicted (``full``, or no budget)."""
     if policy == "full" or budget is None:
         return None
-    k = max(1, int(round(budget * seq.num_prompt_tokens))) if budget <= 1.0 else int(budget)
-    return BudgetSpec.create(policy, k, p.recent_ratio)
+    k = max(1, int(round(budget * num_prompt_tokens))) if budget <= 1.0 else int(budget)
+    return BudgetSpec.create(policy, k, recent_ratio)
 
 
 class KVBudgetTracker:
@@ -100,6 +108,19 @@ class KVBudgetTracker:
         scores: torch.Tensor,  # [num_layers, num_kv_heads, >= num_slots]
     ) -> None:
         self.states[seq.seq_id].accumulate(scores)
+
+    def settle(self, seq: Sequence, num_tokens: int) -> torch.Tensor | None:
+        """Speculation resolved: forget positions ``>= num_tokens`` (rejected tokens in spare
+        slots), then evict down to the budget by the policy's rule with the scores so far.
+        Returns ``keep [L, H, n]`` for ``compact_kv``, or None when nothing moves."""
+        state = self.states[seq.seq_id]
+        held = state.num_slots
+        first = state.rollback(num_tokens)  # [L, H, n1]: indices into the old slots
+        second = state.evict_down_to()  # [L, H, n2]: indices into the rolled-back slots
+        keep = first.gather(-1, second)
+        if keep.shape[-1] == held and bool((keep == torch.arange(held, device=keep.device)).all()):
+            return None
+        return keep
 
     def due_for_compaction(self, seq: Sequence) -> bool:
         return seq.seq_id in self.states and seq.seq_id not in self.compacted

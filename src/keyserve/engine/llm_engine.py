@@ -154,7 +154,7 @@ class LLMEngine:
         """Load the draft with its own KV pool (as many token slots as the target's)."""
         if config.spec.draft is None:
             return None
-        from keyserve.engine.draft_worker import DraftWorker
+        from keyserve.engine.draft_worker import DraftWorker, draft_budget
         from keyserve.engine.speculative import SpeculativeDecoder
         from keyserve.model.draft import load_draft
         from keyserve.model.kv_cache import allocate_kv_cache
@@ -169,7 +169,8 @@ class LLMEngine:
             draft.model, kv, block_size, draft.config.sliding_window, self.device,
             num_layers=draft.config.num_hidden_layers, num_kv_heads=kv[0][0].shape[2],
         )
-        drafter = DraftWorker(runner, BlockManager(num_blocks, block_size, True), arch.vocab_size)
+        drafter = DraftWorker(runner, BlockManager(num_blocks, block_size, True), arch.vocab_size,
+                              draft_budget(config.spec))
         cost = config.spec.draft_cost_ratio or min(1.0, _weight_bytes(draft.model) / _weight_bytes(self.loaded.model))
         return SpeculativeDecoder(drafter, config.spec, cost)
 

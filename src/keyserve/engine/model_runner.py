@@ -30,6 +30,7 @@ from keyserve.engine.step_input import (
     RetainOp,
     RunnerOp,
     SeqInfo,
+    SettleOp,
     StepInput,
     StepItem,
     StepOutput,
@@ -106,6 +107,11 @@ class ModelRunner:
                 state = self.budget.states.get(op.seq_id)
                 if state is not None:
                     changed[op.seq_id] = (state.num_slots, state.num_evicted)
+            elif isinstance(op, SettleOp):
+                self._settle(op)
+                state = self.budget.states.get(op.seq_id)
+                if state is not None:
+                    changed[op.seq_id] = (state.num_slots, state.num_evicted)
             elif isinstance(op, ReleaseOp):
                 self.release(op.seq_id)
             elif isinstance(op, RetainOp):
@@ -133,6 +139,15 @@ class ModelRunner:
                 compact_kv(self.kv_caches, op.block_table, keep, self.block_size)
         else:
             self.budget.select_prompt(ref)
+
+    def _settle(self, op: SettleOp) -> None:
+        """Drop rejected spare slots and apply the evictions the kept tokens imply."""
+        ref = _Ref(op.seq_id)
+        if self.budget.get(ref) is None:
+            return
+        keep = self.budget.settle(ref, op.num_tokens)
+        if keep is not None:
+            compact_kv(self.kv_caches, op.block_table, keep, self.block_size)
 
     def _tau(self, item: StepItem, decoding: bool) -> float:
         """Keyformer's temperature: 1 in the prompt phase, then the linear schedule."""
@@ -174,7 +189,8 @@ class ModelRunner:
             if state is None:
                 logical = pos
                 context_lens.append(start + n)
-            elif budget.due_for_compaction(item):  # prompt phase: fresh slots, no eviction
+            elif budget.due_for_compaction(item) or item.spare:
+                # Prompt phase, or speculative tokens: fresh slots, no eviction.
                 logical = state.append(n)
                 context_lens.append(state.num_slots)
             else:

@@ -44,6 +44,9 @@ class StepItem:
     forced_token_id: int | None = None  # teacher forcing: report its log-prob, sample nothing
     return_logits: int = 0  # return raw logits of this many last rows (the draft's own use)
     budget: BudgetSpec | None = None  # set for a sequence under a KV budget
+    # Under a budget: write this step's tokens into fresh spare slots beyond k, evicting
+    # nothing, because they are speculative; a later ``SettleOp`` drops or keeps them.
+    spare: bool = False
     num_output_tokens: int = 0  # tokens generated so far (Keyformer's temperature schedule)
 
     @property
@@ -80,6 +83,17 @@ class CompactOp:
 
 
 @dataclass
+class SettleOp:
+    """Speculation on a budgeted sequence resolved: its first ``num_tokens`` positions are
+    valid. Drop the spare slots of later (rejected) positions, evict down to the budget by the
+    policy, compact into the first blocks of ``block_table`` (the caller frees the rest)."""
+
+    seq_id: int
+    block_table: list[int]
+    num_tokens: int
+
+
+@dataclass
 class ReleaseOp:
     """The sequence finished: drop its executor state (budget, generator, sampling info)."""
 
@@ -93,7 +107,7 @@ class RetainOp:
     seq_ids: list[int]
 
 
-RunnerOp = ForkOp | CompactOp | ReleaseOp | RetainOp
+RunnerOp = ForkOp | CompactOp | SettleOp | ReleaseOp | RetainOp
 
 
 @dataclass
