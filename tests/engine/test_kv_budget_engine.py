@@ -119,3 +119,13 @@ def test_compressed_blocks_are_never_offered_as_prefix(llm: LLM) -> None:
     [again] = llm.generate(PROMPT, _greedy(kv_policy="h2o", kv_budget=0.3))
     assert again.stats.prefix_cache_hit_tokens == 0  # budgeted requests recompute their prompt
     assert again.token_ids == budgeted.token_ids
+
+
+def test_seeded_keyformer_is_reproducible(llm: LLM) -> None:
+    """Keyformer's Gumbel noise is drawn from a generator seeded by the request's seed, so a
+    seeded request evicts the same tokens, and says the same thing, every time."""
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(max_tokens=30, temperature=temperature, seed=11, kv_policy="keyformer",
+                                kv_budget=12, ignore_eos=True)
+        runs = [llm.generate(PROMPT, params)[0].token_ids for _ in range(2)]
+        assert runs[0] == runs[1]

@@ -65,10 +65,20 @@ def test_plain_and_kv_budgets_equal_in_process(stories_path: str) -> None:
     assert any(o.stats.kv_tokens_evicted for o in got)
 
 
-@pytest.mark.parametrize("draft_kv_policy", [None, "h2o"])  # h2o: a budgeted draft, deterministic
-def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_kv_policy: str | None) -> None:
+@pytest.mark.parametrize("draft_kv_policy,target_budgets", [
+    (None, False),
+    ("h2o", False),  # a budgeted draft (h2o: deterministic)
+    (None, True),  # budgeted targets speculating: spare slots, settled on every rank
+])
+def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_kv_policy: str | None,
+                                       target_budgets: bool) -> None:
     prompts = _prompts(32, seed=2)
     params = [_params(i, num_speculative_tokens=1 + i % 4) for i in range(32)]
+    if target_budgets:  # the score-based and score-free policies whose noise is not random
+        for i, p in enumerate(params):
+            if i % 2 == 0:
+                params[i] = p.model_copy(update=dict(kv_policy=["window", "h2o", "streaming_llm"][i % 3],
+                                                     kv_budget=0.5))
     opts = dict(OPTIONS, draft=draft_dir, draft_kv_policy=draft_kv_policy,
                 draft_kv_budget=0.5 if draft_kv_policy else None)
     want = LLM(stories_path, **opts).generate(prompts, params)
@@ -81,6 +91,8 @@ def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_
         draft = engine.drafter_client.stats()
         assert draft["num_free_blocks"] == draft["num_blocks"] and draft["num_mirrors"] == 0
     _same(want, got)
+    if target_budgets:
+        assert any(o.stats.kv_tokens_evicted and o.stats.spec_draft_tokens for o in got)
     for a, b in zip(want, got):
         assert b.stats.spec_draft_tokens == a.stats.spec_draft_tokens
         assert b.stats.spec_accepted_tokens == a.stats.spec_accepted_tokens

@@ -86,24 +86,34 @@ class BlockManager:
 
     # ------------------------------------------------------------- allocation
     def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, cached_prefix: list[KVBlock] | None = None
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        cached_prefix: list[KVBlock] | None = None,
+        speculative: bool = False,
     ) -> list[BlockCopy] | None:
         """Make room for ``num_new_tokens`` more computed tokens (after taking ``cached_prefix``
         hits, for a sequence being admitted). Returns the copy-on-write copies, or None, with
-        nothing changed, when the pool is too small."""
+        nothing changed, when the pool is too small.
+
+        ``speculative``: the tokens include drafts to verify. A sequence under a KV budget then
+        writes all of them into spare slots past the ones it holds (evictions wait for the
+        verdict, SPEC §3), and the settling that follows may move tokens into any of its
+        blocks, so every held block must be writable."""
         cached_prefix = cached_prefix or []
         if cached_prefix and seq.block_table:
             raise ValueError("a cached prefix can only be attached to a sequence without blocks")
         num_cached_tokens = len(cached_prefix) * self.block_size
         computed = seq.num_computed_tokens + num_cached_tokens
         slots_now = seq.kv_slots_for(computed)
-        slots_after = seq.kv_slots_for(computed + num_new_tokens)
+        spare = speculative and seq.kv_slot_cap is not None
+        slots_after = slots_now + num_new_tokens if spare else seq.kv_slots_for(computed + num_new_tokens)
         held = len(seq.block_table) + len(cached_prefix)
         new_blocks = max(0, self.blocks_for_slots(slots_after) - held)
         # The first slot written lies in the current last block if that block is partly filled
         # (or, under a KV budget, anywhere among the held blocks): copy it first if it is shared.
         cap = seq.kv_slot_cap
-        writes_past_cap = cap is not None and computed + num_new_tokens > cap
+        writes_past_cap = cap is not None and (spare or computed + num_new_tokens > cap)
         written = self._blocks_written(seq, slots_now, slots_after, writes_past_cap)
         cow = [i for i in written if self.pool.blocks[seq.block_table[i]].ref_cnt > 1]
         # Cached blocks with ref 0 sit in the free queue; acquiring them shrinks it.

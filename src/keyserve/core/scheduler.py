@@ -137,7 +137,7 @@ class Scheduler:
             # A decoding sequence may speculate: reserve slots for its draft tokens too.
             ahead = min(seq.num_lookahead, budget - n) if n == seq.num_uncomputed_tokens == 1 else 0
             while True:
-                copies = self.block_manager.allocate_slots(seq, n + ahead)
+                copies = self.block_manager.allocate_slots(seq, n + ahead, speculative=ahead > 0)
                 if copies is not None:
                     plan.blocks_to_copy += copies
                     scheduled.append(ScheduledSeq(seq, n, max(ahead, 0)))

@@ -60,12 +60,16 @@ class KVBudgetTracker:
         self.device = device
         self.states: dict[int, KVBudgetState] = {}
         self.compacted: set[int] = set()
+        # Verification under a budget: seq_id -> (first verified position, per-row scores
+        # [K + 1, L, H, max_ctx] or None until the forward returns them), kept until settled.
+        self.pending: dict[int, tuple[int, torch.Tensor | None]] = {}
 
     def start(self, seq: Sequence, spec: BudgetSpec) -> KVBudgetState:
         """A fresh prompt phase (new request, or recomputation after preemption)."""
         state = KVBudgetState(spec, self.num_layers, self.num_kv_heads, device=self.device)
         self.states[seq.seq_id] = state
         self.compacted.discard(seq.seq_id)
+        self.pending.pop(seq.seq_id, None)
         return state
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -79,6 +83,7 @@ class KVBudgetTracker:
     def release(self, seq: Sequence) -> None:
         self.states.pop(seq.seq_id, None)
         self.compacted.discard(seq.seq_id)
+        self.pending.pop(seq.seq_id, None)
 
     def get(self, seq: Sequence) -> KVBudgetState | None:
         return self.states.get(seq.seq_id)
@@ -109,11 +114,29 @@ class KVBudgetTracker:
     ) -> None:
         self.states[seq.seq_id].accumulate(scores)
 
+    def expect_rows(self, seq: Sequence, first_position: int) -> None:
+        """A verification forward of ``seq`` starts at ``first_position`` (in spare slots)."""
+        self.pending[seq.seq_id] = (first_position, None)
+
+    def hold_rows(
+        self,
+        seq: Sequence,
+        scores: torch.Tensor,  # [K + 1, num_layers, num_kv_heads, max_ctx] one row per position
+    ) -> None:
+        """Keep a verification forward's per-row scores until the verdict: only the accepted
+        positions' attention counts (a rejected draft was never part of the sequence)."""
+        first, _ = self.pending[seq.seq_id]
+        self.pending[seq.seq_id] = (first, scores)
+
     def settle(self, seq: Sequence, num_tokens: int) -> torch.Tensor | None:
-        """Speculation resolved: forget positions ``>= num_tokens`` (rejected tokens in spare
-        slots), then evict down to the budget by the policy's rule with the scores so far.
+        """Speculation resolved: the scores of the accepted rows are accumulated (verification
+        of a target under a budget), positions ``>= num_tokens`` (rejected tokens in spare
+        slots) are forgotten, then the policy evicts down to the budget with the scores so far.
         Returns ``keep [L, H, n]`` for ``compact_kv``, or None when nothing moves."""
         state = self.states[seq.seq_id]
+        first, rows = self.pending.pop(seq.seq_id, (0, None))
+        if rows is not None and num_tokens > first:
+            state.accumulate(rows[: num_tokens - first].sum(dim=0))
         held = state.num_slots
         first = state.rollback(num_tokens)  # [L, H, n1]: indices into the old slots
         second = state.evict_down_to()  # [L, H, n2]: indices into the rolled-back slots
@@ -153,16 +176,24 @@ def compact_kv(
     block_size: int,
 ) -> None:
     """Move each (layer, head)'s kept tokens into logical slots 0..k-1 (gather, then scatter,
-    so overlapping moves are safe)."""
+    so overlapping moves are safe). Only tokens whose slot changes are copied: ``keep`` fills
+    holes and leaves the rest in place, so settling a speculative step moves a few tokens,
+    not the whole budget."""
     num_layers, num_kv_heads, k = keep.shape
     table = torch.tensor(block_table, dtype=torch.int64, device=keep.device)
     src = physical_slots(keep, table, block_size)  # [L, H, k]
     dst = physical_slots(torch.arange(k, device=keep.device), table, block_size)  # [k]
     heads = torch.arange(num_kv_heads, device=keep.device)[:, None]
     src_rows = src * num_kv_heads + heads  # [L, H, k] rows of a [slots * H, D] view
-    dst_rows = (dst[None, :] * num_kv_heads + heads)  # [H, k]
+    dst_rows = (dst[None, :] * num_kv_heads + heads).expand_as(src_rows)  # [L, H, k]
+    moves = src_rows != dst_rows
+    if not bool(moves.any()):
+        return
     for layer, (k_cache, v_cache) in enumerate(kv_caches):
+        which = moves[layer]
+        src_l, dst_l = src_rows[layer][which], dst_rows[layer][which]
+        if src_l.numel() == 0:
+            continue
         for cache in (k_cache, v_cache):
             rows = cache.view(-1, cache.shape[-1])
-            moved = rows[src_rows[layer].reshape(-1)]
-            rows[dst_rows.reshape(-1)] = moved
+            rows[dst_l] = rows[src_l]

@@ -27,6 +27,7 @@ from keyserve.engine.step_input import (
     RetainOp,
     RunnerOp,
     SeqInfo,
+    SettleOp,
     StepInput,
     step_item,
 )
@@ -185,11 +186,20 @@ class KVCore:
         live = [it for it in plan.scheduled if it.seq.seq_id in updates and it.seq.seq_id in self.seqs]
         for item in live:
             up = updates[item.seq.seq_id]
-            if up.num_accepted is None:
-                continue
             seq = item.seq
+            if up.num_accepted is None:
+                if item.num_lookahead and seq.kv_slot_cap is not None:
+                    bm.truncate(seq, seq.kv_slots_for(seq.num_computed_tokens))  # unused spare
+                continue
             seq.num_computed_tokens += up.num_accepted  # the accepted drafts' KV is valid
-            bm.truncate(seq, seq.num_computed_tokens)  # drop rejected slots
+            if seq.kv_slot_cap is not None:
+                # Under a budget the verified positions sit in spare slots: the model side keeps
+                # the accepted ones and evicts down to the budget (SPEC §3), then the spare
+                # blocks come back here.
+                ops.append(SettleOp(seq.seq_id, list(seq.block_table), seq.num_computed_tokens))
+                bm.truncate(seq, seq.kv_slots_for(seq.num_computed_tokens))
+            else:
+                bm.truncate(seq, seq.num_computed_tokens)  # drop rejected slots
             if self.spec is not None and up.num_draft:
                 self.spec.adapt(seq.seq_id, up.num_draft, up.num_accepted)  # type: ignore[attr-defined]
             if not self._apply(seq, up, ops):

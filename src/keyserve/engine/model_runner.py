@@ -10,11 +10,12 @@ parameters and generators (sampling happens here, on the driver rank), and KV-bu
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +49,29 @@ class ModelInputs:
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
     last_token_index: dict[int, int]  # seq_id -> row of its last query token
+    # Budgeted items whose scores come back: (item, in the decode rows?, first row, rows).
+    score_rows: list[tuple["StepItem", bool, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Rows:
+    """Attention rows of one kind (decode or prefill), one entry per attended sequence."""
+
+    tables: list[list[int]] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    modes: list[str | None] = field(default_factory=list)
+    taus: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    def add(self, table: list[int], context_len: int, query_len: int, mode: str | None, tau: float) -> None:
+        self.tables.append(table)
+        self.context_lens.append(context_len)
+        self.query_lens.append(query_len)
+        self.modes.append(mode)
+        self.taus.append(tau)
 
 
 @dataclass(frozen=True)
@@ -55,6 +79,13 @@ class _Ref:
     """The budget tracker keys its states by ``.seq_id`` only."""
 
     seq_id: int
+
+
+@contextlib.contextmanager
+def _seeded_cpu_generator(seed: int) -> Iterator[None]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -149,116 +180,136 @@ class ModelRunner:
         if keep is not None:
             compact_kv(self.kv_caches, op.block_table, keep, self.block_size)
 
-    def _tau(self, item: StepItem, decoding: bool) -> float:
-        """Keyformer's temperature: 1 in the prompt phase, then the linear schedule."""
+    def _tau(self, item: StepItem, decoding: bool, offset: int = 0) -> float:
+        """Keyformer's temperature: 1 in the prompt phase, then the linear schedule (``offset``:
+        the row's distance from the item's first query, for verification rows)."""
         state = self.budget.states[item.seq_id]
         if not decoding or state.spec.policy is not KVPolicy.KEYFORMER:
             return 1.0
         p = self.seq_infos[item.seq_id].params
-        return keyformer_tau(max(0, item.num_output_tokens - 1), p.max_tokens, p.tau_init, p.tau_end)
+        step = max(0, item.num_output_tokens - 1 + offset)
+        return keyformer_tau(step, p.max_tokens, p.tau_init, p.tau_end)
 
     # ----------------------------------------------------------------- inputs
     def prepare(self, step: StepInput) -> ModelInputs:
-        """Pack the step's tokens; budgeted sequences get their slots from the KV policy."""
+        """Pack the step's tokens; budgeted sequences get their slots from the KV policy.
+
+        Attention runs over ``[decode rows | prefill chunks]``. A budgeted sequence verifying
+        drafts (SPEC §3) writes its K + 1 positions into spare slots past the ones it holds and
+        evicts nothing until the verdict is known; it contributes K + 1 *decode* rows over its
+        one block table, row i attending to the held slots plus the new ones up to its own
+        (causal), so the kernels return its attention scores per row and only the accepted
+        rows' scores are accumulated when it settles (``KVBudgetTracker.settle``)."""
         block = self.block_size
         budget = self.budget
         dev = self.device
+        n_dec = step.num_decode
+        spare_verify = [it for it in step.items[n_dec:] if it.verifies and it.budget is not None]
+        chunks = [it for it in step.items[n_dec:] if not (it.verifies and it.budget is not None)]
+        verifying = {id(it) for it in spare_verify}
+        dec = _Rows()  # one query token each
+        pre = _Rows()  # chunks of one or more query tokens
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []  # physical slot per token (same in every layer/head)
         last_index: dict[int, int] = {}
-        context_lens: list[int] = []  # per sequence: slots attended after this step's writes
-        per_head: list[tuple[int, StepItem]] = []  # (token row, item) whose slot differs per head
-        modes: list[str | None] = []
-        taus: list[float] = []
-        for item in step.items:
+        per_head: list[tuple[int, StepItem, _Rows, int]] = []  # slot differs per head
+        score_rows: list[tuple[StepItem, bool, int, int]] = []  # (item, decode?, first row, rows)
+        for index, item in enumerate(step.items[:n_dec] + spare_verify + chunks):
             start, n = item.start, item.num_query_tokens
+            verifies = id(item) in verifying
             row = len(ids)
             ids.extend(item.token_ids)
             ids.extend(item.draft_token_ids)
-            budgeted = item.budget is not None
-            if item.draft_token_ids and budgeted:
-                raise RuntimeError("speculative verification under a KV budget is not supported")
             pos = torch.arange(start, start + n, dtype=torch.int64)
             positions.append(pos)
             last_index[item.seq_id] = row + n - 1
-            state = budget.get(item) if budgeted else None
-            if budgeted and (state is None or start == 0):
+            rows = dec if index < n_dec or verifies else pre
+            state = budget.get(item) if item.budget is not None else None
+            if item.budget is not None and (state is None or start == 0):
                 state = budget.start(item, item.budget)  # type: ignore[arg-type]
-            table = torch.tensor(item.block_table, dtype=torch.int64)
+            table = item.block_table
             if state is None:
                 logical = pos
-                context_lens.append(start + n)
-            elif budget.due_for_compaction(item) or item.spare:
-                # Prompt phase, or speculative tokens: fresh slots, no eviction.
+                rows.add(table, start + n, n, None, 1.0)
+                slots.append(physical_slots(logical, torch.tensor(table, dtype=torch.int64), block))
+                continue
+            mode = budget.score_mode(item)
+            decoding = not budget.due_for_compaction(item)
+            score_rows.append((item, rows is dec, len(rows), n if verifies else 1))
+            if verifies:
+                if not decoding:
+                    raise RuntimeError("speculative verification of a budgeted prompt")
+                held = state.num_slots
                 logical = state.append(n)
-                context_lens.append(state.num_slots)
+                budget.expect_rows(item, start)
+                for i in range(n):
+                    rows.add(table, held + i + 1, 1, mode, self._tau(item, True, offset=i))
+            elif not decoding or item.spare:
+                # Prompt phase, or the draft's speculative tokens: fresh slots, no eviction.
+                logical = state.append(n)
+                rows.add(table, state.num_slots, n, mode, self._tau(item, decoding))
             else:
                 if n != 1:
                     raise RuntimeError("a compacted sequence can only decode one token per step")
                 logical = torch.zeros(1, dtype=torch.int64)  # replaced per head below
-                per_head.append((row, item))
-                context_lens.append(-1)  # filled once the victims are known
-            slots.append(physical_slots(logical.cpu(), table, block))
-            modes.append(budget.score_mode(item) if state is not None else None)
-            taus.append(self._tau(item, decoding=not budget.due_for_compaction(item)) if state is not None else 1.0)
+                per_head.append((row, item, rows, len(rows)))
+                rows.add(table, -1, 1, mode, self._tau(item, True))  # context once victims are known
+            slots.append(physical_slots(logical.cpu(), torch.tensor(table, dtype=torch.int64), block))
         slot_mapping = torch.cat(slots)
         if per_head:
-            items = [it for _, it in per_head]
-            victims = budget.decode_slots(items)  # [n, L, H] logical
+            victims = budget.decode_slots([it for _, it, _, _ in per_head])  # [n, L, H] logical
             full = slot_mapping[None, :, None].expand(self.num_layers, -1, self.num_kv_heads).clone()
-            for i, (row, item) in enumerate(per_head):
+            for i, (row, item, rows, index) in enumerate(per_head):
                 table = torch.tensor(item.block_table, dtype=torch.int64)
                 full[:, row, :] = physical_slots(victims[i].cpu(), table, block)
+                rows.context_lens[index] = budget.states[item.seq_id].num_slots
             slot_mapping = full
-            for i, item in enumerate(step.items):
-                if context_lens[i] == -1:
-                    context_lens[i] = budget.states[item.seq_id].num_slots
-        n_dec = step.num_decode
-        decode, prefill = step.decode, step.prefill
+        modes = dec.modes + pre.modes
         wanted = {m for m in modes if m is not None}
         score = None if not wanted else (wanted.pop() if len(wanted) == 1 else "mixed")
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
-            num_decode_seqs=n_dec,
-            decode_block_tables=_pad_tables([it.block_table for it in decode], dev),
-            decode_context_lens=torch.tensor(context_lens[:n_dec], dtype=torch.int32, device=dev),
-            prefill_block_tables=_pad_tables([it.block_table for it in prefill], dev),
+            num_decode_seqs=len(dec),
+            decode_block_tables=_pad_tables(dec.tables, dev),
+            decode_context_lens=torch.tensor(dec.context_lens, dtype=torch.int32, device=dev),
+            prefill_block_tables=_pad_tables(pre.tables, dev),
             prefill_query_start_loc=torch.tensor(
-                [0] + list(itertools.accumulate(it.num_query_tokens for it in prefill)),
-                dtype=torch.int32,
-                device=dev,
+                [0] + list(itertools.accumulate(pre.query_lens)), dtype=torch.int32, device=dev
             ),
-            prefill_context_lens=torch.tensor(context_lens[n_dec:], dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor(pre.context_lens, dtype=torch.int32, device=dev),
             sliding_window=self.sliding_window,
             score_mode=score,  # type: ignore[arg-type]
-            tau=torch.tensor(taus, dtype=torch.float32, device=dev) if score else None,
+            tau=torch.tensor(dec.taus + pre.taus, dtype=torch.float32, device=dev) if score else None,
             gumbel_rows=torch.tensor([m == "gumbel" for m in modes], device=dev) if score == "mixed" else None,
         )
-        if not prefill:
+        if not pre.tables:
             meta.prefill_block_tables = meta.prefill_block_tables[:0]
-        if not decode:
+        if not dec.tables:
             meta.decode_block_tables = meta.decode_block_tables[:0]
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.cat(positions).to(dev),
             meta=meta,
             last_token_index=last_index,
+            score_rows=score_rows,
         )
 
-    def accumulate_scores(self, step: StepInput, meta: AttentionMetadata) -> None:
-        """Add this step's attention mass to every budgeted sequence's scores."""
+    def accumulate_scores(self, inputs: ModelInputs) -> None:
+        """Add this step's attention mass to every budgeted sequence's scores; a verifying
+        sequence's per-row scores wait for the verdict (``KVBudgetTracker.settle``)."""
+        meta = inputs.meta
         if meta.score_mode is None:
             return
         layers = range(self.num_layers)
-        n_dec = step.num_decode
-        dec = torch.stack([meta.scores[l][0] for l in layers], dim=1) if n_dec else None
-        pre = torch.stack([meta.scores[l][1] for l in layers], dim=1) if step.prefill else None
-        for i, item in enumerate(step.items):
-            if self.budget.get(item) is None:
-                continue
-            scores = dec[i] if i < n_dec else pre[i - n_dec]  # type: ignore[index]
-            self.budget.accumulate(item, scores)
+        dec = torch.stack([meta.scores[l][0] for l in layers], dim=1) if meta.num_decode_seqs else None
+        pre = torch.stack([meta.scores[l][1] for l in layers], dim=1) if meta.num_prefill_seqs else None
+        for item, is_dec, first, count in inputs.score_rows:
+            scores = (dec if is_dec else pre)[first : first + count]  # type: ignore[index]
+            if count > 1:
+                self.budget.hold_rows(item, scores)  # [K + 1, L, H, max_ctx]
+            else:
+                self.budget.accumulate(item, scores[0])
 
     # ---------------------------------------------------------------- execute
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
@@ -331,12 +382,13 @@ class ModelRunner:
             raw.append((item, len(rows), count))
             end = last[item.seq_id]
             rows.extend(range(end - count + 1, end + 1))
-        if rows:
-            all_logits = self.forward_logits(inputs, rows)
-        else:
-            self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            all_logits = None
-        self.accumulate_scores(step, inputs.meta)
+        with self._keyformer_noise(step):
+            if rows:
+                all_logits = self.forward_logits(inputs, rows)
+            else:
+                self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+                all_logits = None
+        self.accumulate_scores(inputs)
         if not self.is_driver:
             return out
         for item in step.items:
@@ -358,7 +410,39 @@ class ModelRunner:
             self._sample(targets, all_logits[: len(targets)], out)
         if verify:
             self._verify(verify, raw_logits, draft_probs, out)
+            self._settled_stats([it for it in verify if it.budget is not None], out)
         return out
+
+    def _keyformer_noise(self, step: StepInput) -> contextlib.AbstractContextManager[object]:
+        """Keyformer's Gumbel noise comes from torch's generator inside the attention kernels.
+        When every Keyformer sequence in the step has a seed, the forward draws it from a
+        generator seeded by (seed, sample, position) of those sequences, so a seeded request
+        (alone, or in the same batch) evicts the same tokens every time; the global generator
+        is left where it was. Otherwise the noise is fresh."""
+        keys = []
+        for item in step.items:
+            if item.budget is None or item.budget.policy is not KVPolicy.KEYFORMER:
+                continue
+            info = self.seq_infos.get(item.seq_id)
+            if info is None or info.params.seed is None:
+                return contextlib.nullcontext()
+            keys.append((info.params.seed, info.sample_index, item.start))
+        if not keys:
+            return contextlib.nullcontext()
+        seed = 0x9E3779B97F4A7C15
+        for request_seed, sample_index, start in keys:
+            for part in (request_seed, sample_index, start):
+                seed = ((seed ^ part) * 0x100000001B3) & 0x7FFFFFFFFFFFFFFF
+        return _seeded_cpu_generator(seed)
+
+    def _settled_stats(self, items: list[StepItem], out: StepOutput) -> None:
+        """KV stats of budgeted sequences that verified drafts, as they will be once settled:
+        the accepted positions kept, then evictions down to the budget."""
+        for item in items:
+            state = self.budget.states[item.seq_id]
+            held = state.num_slots - item.num_query_tokens + out.num_accepted[item.seq_id] + 1
+            k = state.spec.budget if state.spec.budget is not None else held
+            out.kv_stats[item.seq_id] = (min(held, k), state.num_evicted + max(0, held - k))
 
     def _sample(self, targets: list[int], logits: torch.Tensor, out: StepOutput) -> None:
         """One token per target row (``logits`` [len(targets), vocab])."""

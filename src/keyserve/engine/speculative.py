@@ -35,8 +35,10 @@ class SpeculativeDecoder:
 
     def lookahead(self, seq: Sequence, max_model_len: int) -> int:
         """Draft tokens for this sequence's next decode step (0 = decode plainly)."""
-        if seq.kv_budgeted or not self.enabled_for(seq):
+        if not self.enabled_for(seq):
             return 0
+        if seq.kv_budgeted and seq.kv_slot_cap is None:
+            return 0  # under a budget, the prompt-phase selection comes first
         k = seq.params.num_speculative_tokens or self.config.num_speculative_tokens
         if self.config.adaptive_k:
             adaptive = self._adaptive.get(seq.seq_id)
