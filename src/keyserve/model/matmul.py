@@ -15,6 +15,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from keyserve.kernels.native import linear as native_linear
+
 NATIVE_MAX_ROWS = 3  # measured crossover on the AVX2 CPU: native wins at 1-3 rows, loses from 4
 
 
@@ -37,6 +39,12 @@ def linear(
     weight: torch.Tensor,  # [out, in]
     bias: torch.Tensor | None = None,  # [out]
 ) -> torch.Tensor:  # [m, out], x's dtype
+    """``F.linear`` with two CPU fast paths: a few float32 rows (decode, speculative
+    verification, small batches) go to the native kernel that streams the column-major weights
+    once for all rows (``kernels/native/skinny_linear.c``); bf16 beyond a few rows is widened to
+    float32 GEMM where the CPU has no bf16 dot product (see the module docstring)."""
+    if bias is None and native_linear.supports(x, weight):
+        return native_linear.skinny_linear(x, weight)
     if (
         weight.dtype in (torch.bfloat16, torch.float16)
         and weight.device.type == "cpu"

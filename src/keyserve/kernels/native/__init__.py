@@ -26,7 +26,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode.c",)
+SOURCES = ("paged_decode.c", "skinny_linear.c")
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
 
@@ -101,5 +101,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.keyserve_paged_decode.argtypes = [
         p, p, p, i, p, i, p, i, i, i, i, i, f, i, p, i, p, p, u64, p, i, i, i,
     ]
+    lib.keyserve_skinny_linear.restype = None
+    lib.keyserve_skinny_linear.argtypes = [p, i, i, p, i, p]
     lib.keyserve_write_kv.restype = None
     lib.keyserve_write_kv.argtypes = [p, p, p, p, p, i, i, i, i, i, i]
