@@ -23,16 +23,16 @@
 #define IBLOCK 32
 
 #ifdef KS_AVX2
-/* Rows r0..r0+R-1 of x against output columns [o, o + 16), inputs [i0, i1): partial sums are
- * added to y (zeroed by the caller), so an input block streams IBLOCK weight rows side by side
- * across all strips (sequential per row) while the R x 16 sums stay in registers. */
+/* Rows r0..r0+R-1 of x against output columns [o, o + 16), inputs [i0, i1): the block's
+ * partial sums (in registers) are added to y (zeroed by the caller), so an input block streams
+ * IBLOCK weight rows side by side across all strips (sequential per row). Summing per block
+ * first keeps float32 rounding at two short chains instead of one as long as the input. */
 static inline void strip_avx2(const float *x, int in, const float *wt, int out, float *y,
                               int o, int r0, int R, int i0, int i1) {
     __m256 a0[4], a1[4];
     for (int r = 0; r < R; r++) {
-        const float *src = y + (size_t)(r0 + r) * out + o;
-        a0[r] = _mm256_loadu_ps(src);
-        a1[r] = _mm256_loadu_ps(src + 8);
+        a0[r] = _mm256_setzero_ps();
+        a1[r] = _mm256_setzero_ps();
     }
     const float *w = wt + (size_t)i0 * out + o;
     for (int i = i0; i < i1; i++, w += out) {
@@ -46,8 +46,8 @@ static inline void strip_avx2(const float *x, int in, const float *wt, int out, 
     }
     for (int r = 0; r < R; r++) {
         float *dst = y + (size_t)(r0 + r) * out + o;
-        _mm256_storeu_ps(dst, a0[r]);
-        _mm256_storeu_ps(dst + 8, a1[r]);
+        _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), a0[r]));
+        _mm256_storeu_ps(dst + 8, _mm256_add_ps(_mm256_loadu_ps(dst + 8), a1[r]));
     }
 }
 
