@@ -151,7 +151,7 @@ def bench_prefill(dtype: torch.dtype, num_seqs: int, prompt: int) -> list[dict]:
     rows = []
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     for shape in SHAPES:
-        q_all, kc, vc, tables, _ = paged_inputs(num_seqs, prompt, shape, dtype, gen)
+        _, kc, vc, tables, _ = paged_inputs(num_seqs, prompt, shape, dtype, gen)
         q = torch.randn(num_seqs * prompt, shape.heads, shape.head_dim, device=DEVICE, dtype=dtype,
                         generator=gen)
         qsl = torch.arange(0, num_seqs + 1, device=DEVICE, dtype=torch.int32) * prompt
@@ -180,7 +180,7 @@ def bench_prefill(dtype: torch.dtype, num_seqs: int, prompt: int) -> list[dict]:
             dense_tflops=flops / (t_dense * 1e-3) / 1e12, rel_err=rel, write_kv_us=t_write * 1e3,
             write_kv_gbs=4 * key.numel() * key.element_size() / (t_write * 1e-3) / 1e9,
         ))
-        del q_all, kc, vc, q, kd, vd, qd, key
+        del kc, vc, q, kd, vd, qd, key
         torch.cuda.empty_cache()
     return rows
 

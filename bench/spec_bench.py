@@ -156,17 +156,8 @@ def render(rows: list[Row], meta: dict) -> str:
             f"{r.tokens_per_forward:.2f}" if r.tokens_per_forward else "–",
             f"{r.tok_s / b:.2f}×" if b else "–",
         ])
-    best = {}
-    for r in rows:
-        if r.engine == "keyserve" and r.k:
-            key = (r.batch, r.temperature)
-            if key not in best or r.tok_s > best[key].tok_s:
-                best[key] = r
-    hf_best = {}
-    for r in rows:
-        if r.engine == "transformers" and r.k:
-            if r.temperature not in hf_best or r.tok_s > hf_best[r.temperature].tok_s:
-                hf_best[r.temperature] = r
+    best = _fastest([r for r in rows if r.engine == "keyserve" and r.k], lambda r: (r.batch, r.temperature))
+    hf_best = _fastest([r for r in rows if r.engine == "transformers" and r.k], lambda r: r.temperature)
     summary = []
     for (batch, temp), r in sorted(best.items()):
         hf = hf_best.get(temp) if batch == 1 else None
@@ -213,6 +204,15 @@ def render(rows: list[Row], meta: dict) -> str:
         "",
         "![speculative speed-up against K](bench_spec.png)",
     ])
+
+
+def _fastest(rows: list[Row], key) -> dict:
+    """The fastest row for each key."""
+    out: dict = {}
+    for r in rows:
+        if key(r) not in out or r.tok_s > out[key(r)].tok_s:
+            out[key(r)] = r
+    return out
 
 
 def plot(rows: list[Row], path: Path) -> None:

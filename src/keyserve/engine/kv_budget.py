@@ -134,16 +134,13 @@ class KVBudgetTracker:
         slots) are forgotten, then the policy evicts down to the budget with the scores so far.
         Returns ``keep [L, H, n]`` for ``compact_kv``, or None when nothing moves."""
         state = self.states[seq.seq_id]
-        first, rows = self.pending.pop(seq.seq_id, (0, None))
-        if rows is not None and num_tokens > first:
-            state.accumulate(rows[: num_tokens - first].sum(dim=0))
+        first_position, rows = self.pending.pop(seq.seq_id, (0, None))
+        if rows is not None and num_tokens > first_position:
+            state.accumulate(rows[: num_tokens - first_position].sum(dim=0))
         held = state.num_slots
-        first = state.rollback(num_tokens)  # [L, H, n1]: indices into the old slots
-        second = state.evict_down_to()  # [L, H, n2]: indices into the rolled-back slots
-        keep = first.gather(-1, second)
-        if keep.shape[-1] == held and bool((keep == torch.arange(held, device=keep.device)).all()):
-            return None
-        return keep
+        kept = state.rollback(num_tokens)  # [L, H, n1]: indices into the old slots
+        keep = kept.gather(-1, state.evict_down_to())  # evict_down_to indexes the rolled-back slots
+        return None if _moves_nothing(keep, held) else keep
 
     def due_for_compaction(self, seq: Sequence) -> bool:
         return seq.seq_id in self.states and seq.seq_id not in self.compacted
@@ -154,11 +151,15 @@ class KVBudgetTracker:
         self.compacted.add(seq.seq_id)
         held = state.num_slots
         keep = state.select_prompt()
-        if keep.shape[-1] == held and bool(
-            (keep == torch.arange(held, device=keep.device)).all()
-        ):
-            return None
-        return keep
+        return None if _moves_nothing(keep, held) else keep
+
+
+def _moves_nothing(
+    keep: torch.Tensor,  # [num_layers, num_kv_heads, n] new slot j <- old slot keep[..., j]
+    held: int,
+) -> bool:
+    """True when a selection keeps every one of ``held`` slots where it is."""
+    return keep.shape[-1] == held and bool((keep == torch.arange(held, device=keep.device)).all())
 
 
 def physical_slots(

@@ -133,13 +133,11 @@ class ModelRunner:
         for op in ops:
             if isinstance(op, ForkOp):
                 self.budget.fork(_Ref(op.parent_id), _Ref(op.child_id))
-            elif isinstance(op, CompactOp):
-                self._compact(op)
-                state = self.budget.states.get(op.seq_id)
-                if state is not None:
-                    changed[op.seq_id] = (state.num_slots, state.num_evicted)
-            elif isinstance(op, SettleOp):
-                self._settle(op)
+            elif isinstance(op, (CompactOp, SettleOp)):
+                if isinstance(op, CompactOp):
+                    self._compact(op)
+                else:
+                    self._settle(op)
                 state = self.budget.states.get(op.seq_id)
                 if state is not None:
                     changed[op.seq_id] = (state.num_slots, state.num_evicted)
@@ -204,9 +202,9 @@ class ModelRunner:
         budget = self.budget
         dev = self.device
         n_dec = step.num_decode
-        spare_verify = [it for it in step.items[n_dec:] if it.verifies and it.budget is not None]
-        chunks = [it for it in step.items[n_dec:] if not (it.verifies and it.budget is not None)]
-        verifying = {id(it) for it in spare_verify}
+        rest = step.items[n_dec:]
+        spare_verify = [it for it in rest if it.verifies and it.budget is not None]
+        chunks = [it for it in rest if not (it.verifies and it.budget is not None)]
         dec = _Rows()  # one query token each
         pre = _Rows()  # chunks of one or more query tokens
         ids: list[int] = []
@@ -217,7 +215,7 @@ class ModelRunner:
         score_rows: list[tuple[StepItem, bool, int, int]] = []  # (item, decode?, first row, rows)
         for index, item in enumerate(step.items[:n_dec] + spare_verify + chunks):
             start, n = item.start, item.num_query_tokens
-            verifies = id(item) in verifying
+            verifies = n_dec <= index < n_dec + len(spare_verify)
             row = len(ids)
             ids.extend(item.token_ids)
             ids.extend(item.draft_token_ids)
