@@ -19,7 +19,7 @@ def _column_major(out: int, n_in: int, gen: torch.Generator) -> torch.Tensor:  #
     return torch.randn(out, n_in, generator=gen).t().contiguous().t()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 23, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, MAX_ROWS, 23, 32])
 @pytest.mark.parametrize("out,n_in", [(576, 576), (192, 576), (1536, 576), (576, 1536), (37, 70), (3, 5)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_equals_f_linear(rows: int, out: int, n_in: int, threads: int) -> None:

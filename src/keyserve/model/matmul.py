@@ -39,7 +39,7 @@ def linear(
     weight: torch.Tensor,  # [out, in]
     bias: torch.Tensor | None = None,  # [out]
 ) -> torch.Tensor:  # [m, out], x's dtype
-    """``F.linear`` with two CPU fast paths: up to 32 float32 rows (decode, speculative
+    """``F.linear`` with two CPU fast paths: up to 16 float32 rows (decode, speculative
     verification, small batches) go to the native kernel that streams the column-major weights
     once for all rows (``kernels/native/skinny_linear.c``); bf16 beyond a few rows is widened to
     float32 GEMM where the CPU has no bf16 dot product (see the module docstring)."""

@@ -6,16 +6,17 @@ import torch
 
 from keyserve.kernels.native import library
 
-# Rows up to which the native kernel beats the BLAS on column-major weights; beyond it the
-# product is compute-bound enough for the BLAS's GEMM. Measured over SmolLM2-135M's 30 layers
-# and LM head (540 MB of float32 weights) on the 2-core AVX2 CPU this project runs on, ms per
-# pass, torch F.linear vs this kernel:
-#   2 threads: m=1 36.0 vs 24.0, m=2 50.0 vs 28.2, m=4 65.7 vs 35.0, m=8 62.9 vs 43.7,
-#              m=16 87 vs 70, m=32 123 vs 116, m=48 142 vs 165 (a noisier run)
-#   1 thread:  m=1 34.7 vs 39.6, m=2 50.3 vs 48.3, m=4 64.4 vs 60.3, m=8 77.2 vs 79.1
+# Rows up to which the native kernel matches or beats the BLAS on column-major weights; beyond
+# it the product is compute-bound enough for the BLAS's GEMM. `python bench/linear_bench.py`
+# (docs/BENCHMARKS.md, "linear": SmolLM2-135M's 540 MB of float32 weights on the 2-core AVX2
+# CPU this project runs on), ms per pass, F.linear vs this kernel:
+#   2 threads: m=1 34.9 vs 23.4, m=2 48.9 vs 30.4, m=4 71.0 vs 33.6, m=8 62.8 vs 40.8,
+#              m=16 73.8 vs 51.5, m=32 96.4 vs 91.7
+#   1 thread:  m=1 36.4 vs 39.6, m=2 49.4 vs 49.9, m=4 65.6 vs 58.3, m=8 75.9 vs 76.3,
+#              m=16 97.6 vs 96.7, m=32 137.7 vs 177.2
 # so one row goes native only with several threads (the BLAS's matrix-vector product streams
-# faster on one), and 2..32 rows always (a batch of 8 verifying 3 positions each is 24 rows).
-MAX_ROWS = 32
+# faster on one), and 2..16 rows always (a batch of 8 verifying 2 positions each is 16 rows).
+MAX_ROWS = 16
 
 
 def supports(
