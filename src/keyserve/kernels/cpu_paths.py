@@ -215,7 +215,8 @@ def prefill_sdpa_scores(
 
     The output comes from fused SDPA as in ``prefill_sdpa``; the scores from one more pass of
     batched matmuls over query chunks whose logits stay within ``SCORE_CHUNK_BYTES``, softmaxed
-    in place and summed, instead of the reference's materialised ``[heads, queries, slots]``
+    in place and summed; a chunk stops at its last query's slot (the causal triangle's masked
+    half is never computed), instead of the reference's materialised ``[heads, queries, slots]``
     logits with separate passes for output and scores."""
     out = prefill_sdpa(query, k_cache, v_cache, block_tables, starts, lens, scale, sliding_window)
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -243,22 +244,23 @@ def prefill_sdpa_scores(
         for r0 in range(0, q_len, rows_per_chunk):
             r1 = min(q_len, r0 + rows_per_chunk)
             n = r1 - r0
+            width = prefix + r1 - first  # slots after the chunk's last query are masked for all its rows
             qc = q[:, :, r0:r1].reshape(num_kv_heads, group * n, head_dim)
-            logits = torch.bmm(qc, k.transpose(1, 2)).mul_(scale)  # [Hkv, group * n, slots]
-            logits = logits.view(num_kv_heads, group, n, slots)
+            logits = torch.bmm(qc, k[:, :width].transpose(1, 2)).mul_(scale)  # [Hkv, group * n, width]
+            logits = logits.view(num_kv_heads, group, n, width)
             pos = torch.arange(r0, r1, device=device)[:, None] + prefix
-            masked = cols > pos  # [n, slots]
+            masked = cols[:, :width] > pos  # [n, width]
             if sliding_window is not None:
-                masked |= cols <= pos - sliding_window
+                masked |= cols[:, :width] <= pos - sliding_window
             if score_mode == "gumbel":
                 if uniforms is not None:
-                    u = uniforms[q_start + r0 : q_start + r1, :, first:ctx].float()
-                    u = u.view(n, num_kv_heads, group, slots).permute(1, 2, 0, 3)
+                    u = uniforms[q_start + r0 : q_start + r1, :, first : first + width].float()
+                    u = u.view(n, num_kv_heads, group, width).permute(1, 2, 0, 3)
                 else:
                     u = torch.rand_like(logits)
                 u = u.clamp(1e-20, 1.0 - 1e-7)
                 logits = logits.sub_(torch.log(-torch.log(u))).div_(tau[i].float())
             logits.masked_fill_(masked, float("-inf"))
             probs = torch.softmax(logits, dim=-1)  # every row keeps its own slot: no empty row
-            scores[i, :, first:ctx] += probs.sum(dim=(1, 2))
+            scores[i, :, first : first + width] += probs.sum(dim=(1, 2))
     return out, scores
