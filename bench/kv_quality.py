@@ -446,6 +446,12 @@ def quality_tables(q: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     r2_rows = [[p] + [f"{cfg[key(p, b)]['rouge2_mean']:.3f}" if key(p, b) in cfg else "–" for b in budgets]
                for p in policies]
     r2 = markdown_table(["ROUGE-2"] + [f"{b * 100:g} %" for b in budgets], r2_rows)
+    pairs = [("keyformer", "h2o"), ("h2o", "window")]
+    diff_rows = [[f"{a} − {b}"] + [paired_difference(cfg, a, b, x) for x in budgets] for a, b in pairs]
+    r2 += ("\n\nPaired per-document difference in ROUGE-2 (mean ± 95 % confidence half-width, 1.96 × the "
+           "standard error over the documents): an interval that contains 0 means the documents do not tell "
+           "the two policies apart at that budget.\n\n"
+           + markdown_table(["ROUGE-2 difference"] + [f"{b * 100:g} %" for b in budgets], diff_rows))
     # Targets
     checks: dict[str, Any] = {}
     order_fail = []
@@ -457,7 +463,8 @@ def quality_tables(q: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             continue
         compared += 1
         if not (kf >= h2o >= win):
-            order_fail.append(f"{b * 100:g} % (keyformer {kf:.3f}, h2o {h2o:.3f}, window {win:.3f})")
+            order_fail.append(f"{b * 100:g} % (keyformer {kf:.3f}, h2o {h2o:.3f}, window {win:.3f}; paired "
+                              f"keyformer − h2o {paired_difference(cfg, 'keyformer', 'h2o', b)})")
     if compared:
         detail = "missed at " + "; ".join(order_fail) if order_fail else f"at every budget measured ({compared})"
         checks["order"] = (not order_fail, detail)
@@ -471,6 +478,17 @@ def quality_tables(q: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     checks["bytes"] = (exact, f"held = round(budget × prompt) in every run; bytes/(budget × prompt bytes) "
                               f"∈ [{lo:.4f}, {hi:.4f}] (rounding of k only); {q['kv_bytes_per_token']} B/token")
     return f"{main}\n\nROUGE-2 against the full-attention output, by budget:\n\n{r2}", checks
+
+
+def paired_difference(cfg: dict[str, Any], a: str, b: str, budget: float) -> str:
+    """Mean ± 1.96 standard errors of policy a's per-document ROUGE-2 minus policy b's."""
+    ra, rb = cfg.get(key(a, budget), {}).get("rouge2"), cfg.get(key(b, budget), {}).get("rouge2")
+    if not ra or not rb or len(ra) != len(rb) or len(ra) < 2:
+        return "–"
+    d = [x - y for x, y in zip(ra, rb)]
+    mean = sum(d) / len(d)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1))
+    return f"{mean:+.3f} ± {1.96 * sd / math.sqrt(len(d)):.3f}"
 
 
 def speed_tables(sp: dict[str, Any]) -> tuple[str, dict[str, Any]]:
