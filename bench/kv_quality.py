@@ -26,6 +26,7 @@ import argparse
 import datetime as _dt
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -92,7 +93,7 @@ def save_json(data: dict[str, Any]) -> None:
 
 def stamp() -> dict[str, Any]:
     return {"command": command_line(), "date": _dt.date.today().isoformat(), "machine": machine_description(),
-            "threads": torch.get_num_threads(), "note": NOTE}
+            "threads": torch.get_num_threads(), "note": NOTE, "load_average": round(os.getloadavg()[0], 2)}
 
 
 # ------------------------------------------------------------------------ quality
@@ -571,8 +572,8 @@ def render(data: dict[str, Any]) -> str:
             f"wall time {sp.get('wall_s', 0) / 60:.0f} min)  \n"
             + (f"{sp['note']}  \n" if sp.get("note") else "") +
             f"Machine: {sp['machine']}.  \n"
-            f"**Measured on a shared machine** (other engineers' test suites were running): the timings are "
-            f"noisy; rerun the command on a quiet machine for numbers to quote. Method: one prompt per "
+            + (f"Load average (1 min) when it started: {sp['load_average']}.  \n" if "load_average" in sp else "") +
+            f"Method: one prompt per "
             f"(context, policy) is prefilled as a request with n samples; every sample then gets its own copy "
             f"of the KV (as distinct prompts would), and {sp['steps']} decode steps are timed (after "
             f"{sp['warmup']} warm-up steps) at each batch size; ratios and throughput use the fastest step "
