@@ -23,6 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.report import markdown_table, update_section  # noqa: E402
 from keyserve.kernels.native import library  # noqa: E402
+from keyserve.kernels.native.linear import skinny_linear  # noqa: E402
 
 HIDDEN, INTER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
 
@@ -31,14 +32,6 @@ def smollm2_weights() -> list[torch.Tensor]:  # each [out, in], column-major sto
     shapes = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
               (INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [(VOCAB, HIDDEN)]
     return [torch.randn(o, i).t().contiguous().t() for o, i in shapes]
-
-
-def native(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # x [m, in], w [out, in]
-    """The kernel itself, called for every m (the engine's dispatch would skip some)."""
-    y = torch.empty(x.shape[0], w.shape[0])
-    library().keyserve_skinny_linear(x.data_ptr(), x.shape[0], x.shape[1], w.t().data_ptr(),
-                                     w.shape[0], y.data_ptr())
-    return y
 
 
 def pass_ms(fn, weights: list[torch.Tensor], xs: dict[int, torch.Tensor], reps: int) -> float:
@@ -69,7 +62,7 @@ def main() -> None:
             for m in args.rows:
                 xs = {HIDDEN: torch.randn(m, HIDDEN), INTER: torch.randn(m, INTER)}
                 t_torch = pass_ms(F.linear, weights, xs, args.reps)  # interleaved per m
-                t_native = pass_ms(native, weights, xs, args.reps)
+                t_native = pass_ms(skinny_linear, weights, xs, args.reps)  # every m, past the engine's dispatch
                 rows.append([threads, m, round(t_torch, 1), round(t_native, 1),
                              f"{t_torch / t_native:.2f}×", round(gbytes / t_native * 1e3, 1)])
                 print(rows[-1], flush=True)

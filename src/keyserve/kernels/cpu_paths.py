@@ -189,14 +189,13 @@ def prefill_sdpa(
             # the last block's padding slots lie beyond every query), and torch's flash kernel
             # takes it without a materialised mask, about twice as fast.
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-            out[q_start:q_end] = o[0].transpose(0, 1).to(query.dtype)
-            continue
-        rows = torch.arange(q_len, device=device)[:, None] + prefix
-        cols = torch.arange(b0 * block_size, b1 * block_size, device=device)[None, :]
-        keep = (cols <= rows) & (cols < ctx)
-        if sliding_window is not None:
-            keep &= cols > rows - sliding_window
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=True)
+        else:
+            rows = torch.arange(q_len, device=device)[:, None] + prefix
+            cols = torch.arange(b0 * block_size, b1 * block_size, device=device)[None, :]
+            keep = (cols <= rows) & (cols < ctx)
+            if sliding_window is not None:
+                keep &= cols > rows - sliding_window
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=True)
         out[q_start:q_end] = o[0].transpose(0, 1).to(query.dtype)
     return out
 
