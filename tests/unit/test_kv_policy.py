@@ -511,3 +511,91 @@ def test_cuda_matches_cpu() -> None:
             s.rollback(s.num_tokens - 1)
         assert torch.equal(cpu.evict_down_to(), gpu.evict_down_to().cpu())
         assert torch.equal(cpu.positions, gpu.positions.cpu())
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from(["streaming_llm", "h2o", "keyformer"]),  # (window's ring needs all recent)
+    n=st.integers(4, 24),
+    q=st.integers(1, 8),
+    steps=st.integers(0, 5),
+    seed=st.integers(0, 10_000),
+)
+def test_layers_loaded_with_different_counts_even_out_at_prompt_selection(policy, n, q, steps, seed) -> None:
+    """A prefix loaded with a different subset per layer (a prefix store's importance load):
+    each layer appends the rest of the prompt after its own tokens, accumulates only over the
+    slots it holds, and prompt-phase selection brings every layer to k exactly as the
+    loop-based reference does per (layer, head); decoding then runs as usual."""
+    L, H = 3, 2
+    rng = random.Random(seed)
+    k = max(1, (n + q) // 2)
+    floor = max(0, k - q)
+    counts = [rng.randint(floor, n) for _ in range(L)]
+    counts[rng.randrange(L)] = n  # some layer loads everything
+    spec = BudgetSpec.create(policy, k, 0.5)
+    sinks, recent, by_score = spec.num_sinks, spec.num_recent, spec.by_score
+    state = KVBudgetState(spec, L, H)
+    positions = torch.full((L, H, n), -1, dtype=torch.long)
+    scores = torch.zeros(L, H, n)
+    refs = [[RefHead(k, sinks, recent, by_score) for _ in range(H)] for _ in range(L)]
+    for layer, c in enumerate(counts):
+        held = sorted(rng.sample(range(n), c))
+        for h in range(H):
+            s = [float(rng.randint(0, 5)) for _ in held]
+            positions[layer, h, :c] = torch.tensor(held)
+            scores[layer, h, :c] = torch.tensor(s)
+            refs[layer][h].S = {p: np.float32(v) for p, v in zip(held, s)}
+    state.restore(positions, scores, n)
+    assert state.layer_held is not None or len(set(counts)) == 1
+    slots = state.append(q)
+    if state.layer_held is not None:
+        assert slots.tolist() == [[c + i for i in range(q)] for c in counts]
+    for layer in range(L):
+        for h in range(H):
+            for p in range(n, n + q):
+                refs[layer][h].add(p)
+    step = torch.tensor([[[float(rng.randint(0, 5)) for _ in range(state.num_slots + 3)]
+                          for _ in range(H)] for _ in range(L)])
+    state.accumulate(step)
+    for layer in range(L):
+        for h in range(H):
+            ref = refs[layer][h]
+            slot_of = {int(p): i for i, p in enumerate(state.positions[layer, h].tolist()) if p >= 0}
+            ref.add_scores({p: float(step[layer, h, slot_of[p]]) for p in ref.S})
+            assert len(slot_of) == counts[layer] + q
+    state.select_prompt()
+    assert state.layer_held is None and state.num_slots == k
+    for t in range(steps + 1):
+        for layer in range(L):
+            for h in range(H):
+                ref = refs[layer][h]
+                if t == 0:
+                    ref.keep_top(k, n + q - 1, sinks, recent)
+                held = {int(p): float(s) for p, s in zip(state.positions[layer, h].tolist(),
+                                                         state.scores[layer, h].tolist())}
+                assert held == {p: float(v) for p, v in ref.S.items()}
+        if t == steps:
+            break
+        state.choose_victims()
+        for layer in range(L):
+            for h in range(H):
+                refs[layer][h].decode(n + q + t)
+        step = torch.tensor([[[float(rng.randint(0, 5)) for _ in range(state.num_slots)]
+                              for _ in range(H)] for _ in range(L)])
+        state.accumulate(step)
+        for layer in range(L):
+            for h in range(H):
+                slot_of = {int(p): i for i, p in enumerate(state.positions[layer, h].tolist())}
+                refs[layer][h].add_scores({p: float(step[layer, h, slot_of[p]]) for p in refs[layer][h].S})
+
+
+def test_uneven_layers_below_the_budget_are_refused() -> None:
+    """Loading fewer than k - (rest of the prompt) tokens in a layer would leave it short of k
+    after the prompt: selection refuses rather than decode with uneven layers."""
+    state = KVBudgetState(BudgetSpec.create("h2o", 6, 0.5), 2, 1)
+    positions = torch.tensor([[[0, 1, 2, 3]], [[0, 2, -1, -1]]])
+    state.restore(positions, torch.zeros(2, 1, 4), 4)
+    state.append(3)
+    with pytest.raises(RuntimeError, match="fewer tokens than the budget"):
+        state.select_prompt()

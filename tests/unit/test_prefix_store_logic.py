@@ -282,8 +282,11 @@ def test_repacking_mapping_round_trip_and_density(num_layers, num_chunks, seed, 
 
 
 @FAST
-@given(st.integers(1, 3), st.integers(1, 6), st.integers(0, 10_000), st.integers(0, 12), st.integers(0, 12))
-def test_select_rows_equal_counts_against_brute_force(num_layers, num_chunks, seed, lo, hi) -> None:
+@given(st.integers(1, 3), st.integers(1, 6), st.integers(0, 10_000), st.integers(0, 12), st.integers(0, 12),
+       st.lists(st.floats(0, 1), min_size=3, max_size=3))
+def test_select_rows_per_layer_counts_against_brute_force(num_layers, num_chunks, seed, lo, hi, top_up) -> None:
+    """Each layer brings its needed tokens plus its next eligible ones in storage order, up to
+    its own count; shorter layers are padded with -1 at the tail."""
     n = num_chunks * CHUNK
     lo, hi = sorted((min(lo, n), min(hi, n)))
     gen = torch.Generator().manual_seed(seed)
@@ -292,12 +295,17 @@ def test_select_rows_equal_counts_against_brute_force(num_layers, num_chunks, se
     ar = torch.arange(n)
     eligible = ((ar >= lo) & (ar < hi)).expand(num_layers, n)
     needed = eligible & important
-    logical, storage = select_rows(order, needed, eligible)
-    c = max(int(needed[layer].sum()) for layer in range(num_layers))
-    assert logical.shape == (num_layers, c)
+    have, most = needed.sum(1), eligible.sum(1)
+    counts = have + ((most - have).float() * torch.tensor(top_up[:num_layers])).long()
+    logical, storage = select_rows(order, needed, eligible, counts)
+    assert logical.shape == (num_layers, int(counts.max()) if num_layers else 0)
     for layer in range(num_layers):
+        c = int(counts[layer])
         want = [i for i in range(n) if needed[layer, i]]
         extra = [int(i) for i in order[layer] if eligible[layer, i] and not needed[layer, i]]
         want = sorted(want + extra[: c - len(want)])
-        assert logical[layer].tolist() == want
-        assert order[layer, storage[layer]].tolist() == want
+        assert logical[layer, :c].tolist() == want
+        assert order[layer, storage[layer, :c]].tolist() == want
+        assert (logical[layer, c:] == -1).all() and (storage[layer, c:] == -1).all()
+    with pytest.raises(ValueError):
+        select_rows(order, needed, eligible, most + 1)

@@ -102,9 +102,22 @@ def test_layer_fallback_loads_all_and_counts(tmp_path: Path) -> None:
     store = make_store(tmp_path, top_k_fraction=0.25)
     insert(store, tokens, scores)
     assert store.stats.importance_fallbacks == 1 and store.stats.importance_layers == L
+    # only the layer whose heads disagree loads all: layer 0 reads its one important chunk
     got = store.load(tokens, n, important_only=True)
-    # every layer holds as many tokens as the layer that loads all
-    assert got is not None and got.exact and got.positions.shape == (L, n)
+    assert got is not None and not got.exact and got.positions.shape == (L, n)
+    assert got.positions[0].tolist() == [0, 1, 2, 3] + [-1] * (n - 4)
+    assert got.positions[1].tolist() == list(range(n))
+    want = kv_of(tokens, 0, n)
+    assert torch.equal(got.kv[0, :4], want[0, :4]) and torch.equal(got.kv[1], want[1])
+    assert got.scores is not None and got.scores[0, :, 4:].eq(0).all()
+    assert store.stats.disk_hits == 1 + n // CHUNK
+    # a floor per layer tops layer 0 up with its next most important tokens
+    got = store.load(tokens, n, important_only=True, min_per_layer=6)
+    assert got is not None and (got.positions[0] >= 0).sum() == 6 and got.positions[0, :4].tolist() == [0, 1, 2, 3]
+    assert torch.equal(got.kv[0, :6], want[0, got.positions[0, :6]])
+    # None: every layer loads as many as the layer that loads the most
+    got = store.load(tokens, n, important_only=True, min_per_layer=None)
+    assert got is not None and got.exact and got.positions.equal(torch.arange(n).expand(L, -1))
 
 
 def test_memory_tiers_bounded_hits_and_promotion(tmp_path: Path) -> None:

@@ -220,21 +220,22 @@ def select_keep_mask(
     """Keep sinks + the ``num_recent`` most recent + the best of the rest, ``num_keep`` in all.
 
     Evicts the ``held − num_keep`` candidates that come first in (S ascending, position
-    ascending) order — the same order ``choose_victims_*`` use one token at a time.
+    ascending) order — the same order ``choose_victims_*`` use one token at a time. Rows may
+    hold different counts (a prefix loaded with fewer tokens in some layers); each row is
+    evicted down to ``num_keep`` on its own.
     """
     occupied = positions >= 0
-    held = occupied.sum(dim=-1)
-    if not bool((held == held.flatten()[0]).all()):
-        raise RuntimeError("every (layer, head) must hold the same number of tokens")
-    m = int(held.flatten()[0]) - num_keep
-    if m <= 0:
+    evict_count = (occupied.sum(dim=-1) - num_keep).clamp(min=0)  # [L, H]
+    most = int(evict_count.max()) if evict_count.numel() else 0
+    if most == 0:
         return occupied
     cand = candidate_mask(positions, newest, num_sinks, num_recent)
-    if int(cand.sum(dim=-1).min()) < m:
+    if bool((cand.sum(dim=-1) < evict_count).any()):
         raise RuntimeError("fewer evictable tokens than tokens to evict")
     key = order_key(positions, scores) if by_score else positions
-    victims = torch.topk(torch.where(cand, key, _INT_MAX), m, dim=-1, largest=False).indices
-    return occupied & ~torch.zeros_like(occupied).scatter_(-1, victims, True)
+    victims = torch.topk(torch.where(cand, key, _INT_MAX), most, dim=-1, largest=False).indices
+    take = torch.arange(most, device=positions.device) < evict_count.unsqueeze(-1)  # [L, H, most]
+    return occupied & ~torch.zeros_like(occupied).scatter_(-1, victims, take)
 
 
 def compaction_map(
@@ -303,6 +304,9 @@ class KVBudgetState:
         self.num_slots = 0  # tokens held per (layer, head) = occupied slots 0..num_slots-1
         self.num_tokens = 0  # positions seen: the next token's position
         self.num_evicted = 0  # tokens evicted per (layer, head)
+        # [num_layers] tokens held per layer while they differ (a prefix loaded with fewer
+        # tokens in some layers, until prompt-phase eviction evens them out); else None
+        self.layer_held: torch.Tensor | None = None
         cap = (spec.budget + num_spare) if spec.budget is not None else 16
         self._scores = torch.zeros(num_layers, num_kv_heads, cap, dtype=torch.float32,
                                    device=device)
@@ -343,9 +347,12 @@ class KVBudgetState:
         self._positions = torch.nn.functional.pad(self._positions, (0, pad), value=-1)
 
     # -- growth and scores ---------------------------------------------------------------------
-    def append(self, num_tokens: int) -> torch.Tensor:  # [num_tokens] int64 slots
+    def append(self, num_tokens: int) -> torch.Tensor:  # [num_tokens] or [num_layers, num_tokens]
         """Place the next ``num_tokens`` positions in fresh slots (same slots in every head):
-        prompt chunks, and speculative drafts in spare slots. Evicts nothing."""
+        prompt chunks, and speculative drafts in spare slots. Evicts nothing. While layers hold
+        different counts, each layer's tokens go right after its own: slots per layer."""
+        if self.layer_held is not None:
+            return self._append_per_layer(num_tokens)
         start = self.num_slots
         self._reserve(start + num_tokens)
         new_pos = torch.arange(self.num_tokens, self.num_tokens + num_tokens, device=self.device)
@@ -355,6 +362,19 @@ class KVBudgetState:
         self.num_tokens += num_tokens
         return torch.arange(start, start + num_tokens, device=self.device)
 
+    def _append_per_layer(self, num_tokens: int) -> torch.Tensor:  # [num_layers, num_tokens]
+        assert self.layer_held is not None
+        slots = self.layer_held[:, None] + torch.arange(num_tokens, device=self.device)  # [L, n]
+        self._reserve(int(slots.max()) + 1 if num_tokens else self.num_slots)
+        idx = slots[:, None, :].expand(-1, self.num_kv_heads, -1)  # [L, H, n]
+        new_pos = torch.arange(self.num_tokens, self.num_tokens + num_tokens, device=self.device)
+        self._positions.scatter_(-1, idx, new_pos.expand_as(idx))
+        self._scores.scatter_(-1, idx, 0.0)
+        self.layer_held = self.layer_held + num_tokens
+        self.num_slots = int(self.layer_held.max())
+        self.num_tokens += num_tokens
+        return slots
+
     def accumulate(
         self,
         step_scores: torch.Tensor,  # [num_layers, num_kv_heads, >= num_slots] float
@@ -363,7 +383,10 @@ class KVBudgetState:
         the sequence's slots (batch-wide max context) is ignored."""
         if step_scores.shape[-1] < self.num_slots:
             raise ValueError(f"scores cover {step_scores.shape[-1]} < {self.num_slots} slots")
-        self.scores.add_(step_scores[..., : self.num_slots].to(self.device, torch.float32))
+        add = step_scores[..., : self.num_slots].to(self.device, torch.float32)
+        if self.layer_held is not None:  # a shorter layer's tail slots are empty
+            add = add * (self.positions >= 0)
+        self.scores.add_(add)
 
     def restore(
         self,
@@ -372,11 +395,18 @@ class KVBudgetState:
         num_tokens: int,  # positions seen so far (the next token's position)
     ) -> None:
         """Start from tokens loaded from elsewhere (a prefix store) instead of computed here:
-        any subset of the positions before ``num_tokens``, the same count in every (layer, head)."""
+        any subset of the positions before ``num_tokens``, the same count in every head of a
+        layer; a layer may hold fewer (its tail padded with position -1) until prompt-phase
+        eviction."""
         n = positions.shape[-1]
         self._reserve(n)
         self._positions[..., :n] = positions.to(self.device)
         self._scores[..., :n] = scores.to(self.device, torch.float32)
+        held = (self._positions[:, :, :n] >= 0).sum(-1)  # [L, H]
+        if not bool((held == held[:, :1]).all()):
+            raise ValueError("every head of a layer must hold the same number of tokens")
+        per_layer = held[:, 0]
+        self.layer_held = None if bool((per_layer == n).all()) else per_layer.clone()
         self.num_slots = n
         self.num_tokens = num_tokens
 
@@ -412,6 +442,10 @@ class KVBudgetState:
         """Evict until ``k`` (default: the budget) tokens are held and compact; several at once
         (speculative acceptance, prompt phase). Returns ``keep`` (see the module docstring)."""
         k = self.spec.budget if k is None else k
+        if self.layer_held is not None and (k is None or int(self.layer_held.min()) < k):
+            raise RuntimeError("a layer holds fewer tokens than the budget: layers would stay uneven")
+        if self.layer_held is not None and self.num_slots <= k:
+            self.layer_held = None  # every layer holds exactly k
         if k is None or self.num_slots <= k:
             return self._identity()
         rule = self.spec if k == self.spec.budget else self.spec.with_budget(k)
@@ -448,6 +482,7 @@ class KVBudgetState:
         self._positions[..., :n] = new_pos
         self._scores[..., :n] = new_scores
         self.num_slots = n
+        self.layer_held = None  # every (layer, head) now keeps the same count
         return keep
 
 

@@ -62,9 +62,20 @@ class _Rows:
     query_lens: list[int] = field(default_factory=list)
     modes: list[str | None] = field(default_factory=list)
     taus: list[float] = field(default_factory=list)
+    # row -> [num_layers] context lengths, for a sequence whose layers hold different counts
+    layer_context_lens: dict[int, list[int]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tables)
+
+    def context_lens_tensor(self, num_layers: int, device: torch.device) -> torch.Tensor:
+        """[num_rows] int32, or [num_layers, num_rows] when some row's layers differ."""
+        lens = torch.tensor(self.context_lens, dtype=torch.int32)
+        if self.layer_context_lens:
+            lens = lens.expand(num_layers, -1).clone()
+            for row, per_layer in self.layer_context_lens.items():
+                lens[:, row] = torch.tensor(per_layer, dtype=torch.int32)
+        return lens.to(device)
 
     def add(self, table: list[int], context_len: int, query_len: int, mode: str | None, tau: float) -> None:
         self.tables.append(table)
@@ -245,8 +256,10 @@ class ModelRunner:
                     rows.add(table, held + i + 1, 1, mode, self._tau(item, True, offset=i))
             elif not decoding or item.spare:
                 # Prompt phase, or the draft's speculative tokens: fresh slots, no eviction.
-                logical = state.append(n)
+                logical = state.append(n)  # [n], or [L, n] while its layers hold different counts
                 rows.add(table, state.num_slots, n, mode, self._tau(item, decoding))
+                if state.layer_held is not None:
+                    rows.layer_context_lens[len(rows) - 1] = state.layer_held.tolist()
             else:
                 if n != 1:
                     raise RuntimeError("a compacted sequence can only decode one token per step")
@@ -254,14 +267,19 @@ class ModelRunner:
                 per_head.append((row, item, rows, len(rows)))
                 rows.add(table, -1, 1, mode, self._tau(item, True))  # context once victims are known
             slots.append(physical_slots(logical.cpu(), torch.tensor(table, dtype=torch.int64), block))
-        slot_mapping = torch.cat(slots)
+        if per_head or any(s.dim() == 2 for s in slots):
+            L = self.num_layers
+            per_layer = torch.cat([s.expand(L, -1) for s in slots], dim=1)  # [L, num_tokens]
+            full = per_layer[:, :, None].expand(-1, -1, self.num_kv_heads).clone()
+        else:
+            slot_mapping = torch.cat(slots)
         if per_head:
             victims = budget.decode_slots([it for _, it, _, _ in per_head])  # [n, L, H] logical
-            full = slot_mapping[None, :, None].expand(self.num_layers, -1, self.num_kv_heads).clone()
             for i, (row, item, rows, index) in enumerate(per_head):
                 table = torch.tensor(item.block_table, dtype=torch.int64)
                 full[:, row, :] = physical_slots(victims[i].cpu(), table, block)
                 rows.context_lens[index] = budget.states[item.seq_id].num_slots
+        if per_head or any(s.dim() == 2 for s in slots):
             slot_mapping = full
         modes = dec.modes + pre.modes
         wanted = {m for m in modes if m is not None}
@@ -270,12 +288,12 @@ class ModelRunner:
             slot_mapping=slot_mapping.to(dev),
             num_decode_seqs=len(dec),
             decode_block_tables=_pad_tables(dec.tables, dev),
-            decode_context_lens=torch.tensor(dec.context_lens, dtype=torch.int32, device=dev),
+            decode_context_lens=dec.context_lens_tensor(self.num_layers, dev),
             prefill_block_tables=_pad_tables(pre.tables, dev),
             prefill_query_start_loc=torch.tensor(
                 [0] + list(itertools.accumulate(pre.query_lens)), dtype=torch.int32, device=dev
             ),
-            prefill_context_lens=torch.tensor(pre.context_lens, dtype=torch.int32, device=dev),
+            prefill_context_lens=pre.context_lens_tensor(self.num_layers, dev),
             sliding_window=self.sliding_window,
             score_mode=score,  # type: ignore[arg-type]
             tau=torch.tensor(dec.taus + pre.taus, dtype=torch.float32, device=dev) if score else None,
@@ -300,8 +318,8 @@ class ModelRunner:
         if meta.score_mode is None:
             return
         layers = range(self.num_layers)
-        dec = torch.stack([meta.scores[l][0] for l in layers], dim=1) if meta.num_decode_seqs else None
-        pre = torch.stack([meta.scores[l][1] for l in layers], dim=1) if meta.num_prefill_seqs else None
+        dec = _stack_layers([meta.scores[l][0] for l in layers]) if meta.num_decode_seqs else None
+        pre = _stack_layers([meta.scores[l][1] for l in layers]) if meta.num_prefill_seqs else None
         for item, is_dec, first, count in inputs.score_rows:
             scores = (dec if is_dec else pre)[first : first + count]  # type: ignore[index]
             if count > 1:
@@ -483,3 +501,12 @@ class ModelRunner:
 
 def num_blocks_for_memory(memory_gb: float, bytes_per_block: int) -> int:
     return max(2, int(math.floor(memory_gb * (1 << 30) / bytes_per_block)))
+
+
+def _stack_layers(
+    per_layer: list[torch.Tensor],  # num_layers x [num_seqs, num_kv_heads, max_ctx of that layer]
+) -> torch.Tensor:  # [num_seqs, num_layers, num_kv_heads, max_ctx] zero-padded
+    """Layers may attend over different context lengths (a sequence whose layers hold different
+    counts): pad each layer's scores to the widest before stacking."""
+    width = max(t.shape[-1] for t in per_layer)
+    return torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in per_layer], dim=1)

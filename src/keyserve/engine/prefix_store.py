@@ -87,11 +87,13 @@ class EnginePrefixStore:
         return torch.stack(out).cpu()
 
     def _scatter(self, table: list[int], loaded: LoadedPrefix, slots: torch.Tensor) -> None:
-        """Write the loaded KV into logical ``slots`` ([L, C]: per layer) of the table."""
+        """Write the loaded KV into logical ``slots`` ([L, C]: per layer, -1 = nothing) of
+        the table."""
         dev = self.kv_caches[0][0].device
         for layer, (k, v) in enumerate(self.kv_caches):
-            phys = self._physical(table, slots[layer]).to(dev)
-            data = loaded.kv[layer].to(dev, k.dtype)  # [C, 2, H, D]
+            valid = slots[layer] >= 0
+            phys = self._physical(table, slots[layer][valid]).to(dev)
+            data = loaded.kv[layer][valid].to(dev, k.dtype)  # [c_l, 2, H, D]
             k.view(-1, *k.shape[2:])[phys] = data[:, 0]
             v.view(-1, *v.shape[2:])[phys] = data[:, 1]
 
@@ -150,8 +152,10 @@ class EnginePrefixStore:
         revived = sum(1 for b in cached if b.ref_cnt == 0)
         if self.bm.blocks_for_slots(m + first) - len(cached) > self.bm.num_free_blocks - revived:
             return cached
-        important = seq.kv_budgeted and self.config.load_important_only
-        loaded = self.store.load(tokens, max_tokens, start, important, need_scores)
+        # important tokens are chosen by attention score: only score-driven policies load them
+        important = need_scores and self.config.load_important_only
+        floor = self._tokens_per_layer_floor(seq, m) if important else 0
+        loaded = self.store.load(tokens, max_tokens, start, important, need_scores, floor)
         if loaded is None or loaded.num_tokens <= start:
             return cached
         m = loaded.num_tokens
@@ -163,8 +167,9 @@ class EnginePrefixStore:
             seq.block_table.append(pool.allocate().block_id)
         self.bm.prefix_hits += start
         if seq.kv_budgeted:
-            c = loaded.positions.shape[1]
-            self._scatter(seq.block_table, loaded, torch.arange(c).expand(len(self.kv_caches), c))
+            # layer l's tokens go to slots 0..c_l-1; the suffix continues from c_l in that layer
+            packed = torch.arange(loaded.positions.shape[1]).expand_as(loaded.positions)
+            self._scatter(seq.block_table, loaded, torch.where(loaded.positions >= 0, packed, -1))
             self._start_budget(seq, loaded)
         else:
             self._scatter(seq.block_table, loaded, loaded.positions)
@@ -172,6 +177,17 @@ class EnginePrefixStore:
         seq.num_cached_tokens = m
         self._loaded.add(seq.seq_id)
         return []
+
+    def _tokens_per_layer_floor(self, seq: Sequence, m: int) -> int | None:
+        """Fewest prefix tokens a layer may load. Layers may load different counts only until
+        prompt-phase eviction evens them out at k (decode takes one context length per
+        sequence), so the loaded tokens plus the rest of the sequence must reach k in every
+        layer. With k at least the whole sequence nothing is evicted: None, every layer loads
+        the same count."""
+        spec = budget_spec(seq, self.budget_defaults)
+        if spec is None or spec.budget is None or spec.budget >= seq.num_tokens:
+            return None
+        return min(m, max(0, spec.budget - (seq.num_tokens - m)))
 
     def _needs_scores(self, seq: Sequence) -> bool:
         """H2O / Keyformer evict by accumulated scores: a prefix stored without them is

@@ -66,10 +66,11 @@ def paged_attention(
         if meta.num_prefill_seqs and meta.score_mode is not None:
             prefill_fn = _prefill_with_fast_scores
     tau = meta.tau
+    dec_lens, pre_lens = meta.layer_context_lens(layer_idx)
     outs = []
     dec_scores = pre_scores = None
     if n_dec:
-        dec_args = (query[:n_dec], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        dec_args = (query[:n_dec], k_cache, v_cache, meta.decode_block_tables, dec_lens, scale)
         out, dec_scores = _with_scores(
             decode_fn, dec_args, meta, None if tau is None else tau[:n_dec], slice(0, n_dec)
         )
@@ -77,7 +78,7 @@ def paged_attention(
     if meta.num_prefill_seqs:
         pre_args = (
             query[n_dec:], k_cache, v_cache, meta.prefill_block_tables,
-            meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
+            meta.prefill_query_start_loc, pre_lens, scale,
         )
         out, pre_scores = _with_scores(
             prefill_fn, pre_args, meta, None if tau is None else tau[n_dec:], slice(n_dec, None)

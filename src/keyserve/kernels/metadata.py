@@ -22,10 +22,12 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     num_decode_seqs: int
     decode_block_tables: torch.Tensor  # [num_decode_seqs, max_blocks] int32
-    decode_context_lens: torch.Tensor  # [num_decode_seqs] int32, slots incl. the new token
+    # [num_decode_seqs] int32, slots incl. the new token; or [num_layers, num_decode_seqs]
+    # when a sequence's layers hold different counts (see ``layer_context_lens``)
+    decode_context_lens: torch.Tensor
     prefill_block_tables: torch.Tensor  # [num_prefill_seqs, max_blocks] int32
     prefill_query_start_loc: torch.Tensor  # [num_prefill_seqs + 1] int32, relative to prefill part
-    prefill_context_lens: torch.Tensor  # [num_prefill_seqs] int32, slots incl. the chunk
+    prefill_context_lens: torch.Tensor  # [num_prefill_seqs] or [num_layers, num_prefill_seqs] int32
     sliding_window: int | None = None  # layers of a sliding-window model, when slot == position
     # Score output for KV budgets: None, "softmax" (H2O), "gumbel" (Keyformer), or "mixed"
     # (both in one batch: rows in ``gumbel_rows`` get Gumbel scores, the others plain ones).
@@ -46,3 +48,8 @@ class AttentionMetadata:
         if self.slot_mapping.dim() == 3:
             return self.slot_mapping[layer_idx]
         return self.slot_mapping
+
+    def layer_context_lens(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(decode [num_decode_seqs], prefill [num_prefill_seqs]) context lengths of one layer."""
+        dec, pre = self.decode_context_lens, self.prefill_context_lens
+        return (dec[layer_idx] if dec.dim() == 2 else dec, pre[layer_idx] if pre.dim() == 2 else pre)

@@ -65,20 +65,27 @@ def select_rows(
     order: torch.Tensor,  # [num_layers, n] int64 storage -> logical
     needed: torch.Tensor,  # [num_layers, n] bool (logical): tokens the load must bring
     eligible: torch.Tensor,  # [num_layers, n] bool (logical): tokens it may bring (needed ⊆ it)
-) -> tuple[torch.Tensor, torch.Tensor]:  # logical [L, c] ascending, storage [L, c]
-    """The same number c of tokens in every layer (the attention kernels take one context
-    length per sequence): each layer's needed tokens, topped up to the largest count with its
-    next eligible tokens in storage order (the next most important)."""
+    counts: torch.Tensor,  # [num_layers] int64: tokens per layer, needed <= counts <= eligible
+) -> tuple[torch.Tensor, torch.Tensor]:  # logical [L, c] ascending, storage [L, c]; -1 pads
+    """Each layer's needed tokens, topped up to ``counts[layer]`` with its next eligible tokens
+    in storage order (the next most important). Layers may load different counts (attention
+    takes a context length per layer): a row shorter than the longest is padded with -1."""
     num_layers, _ = order.shape
     need_s = needed.gather(1, order)
     elig_s = eligible.gather(1, order)
-    counts = need_s.sum(1)
-    c = int(counts.max()) if num_layers else 0
+    have = need_s.sum(1)
+    if bool((counts < have).any()) or bool((counts > elig_s.sum(1)).any()):
+        raise ValueError("counts must lie between the needed and the eligible tokens per layer")
     extra = elig_s & ~need_s
-    take = need_s | (extra & (extra.cumsum(1) <= (c - counts)[:, None]))
-    if not bool((take.sum(1) == c).all()):
-        raise ValueError("not enough eligible tokens to give every layer the same count")
-    storage = take.nonzero()[:, 1].view(num_layers, c)
-    logical = order.gather(1, storage)
+    take = need_s | (extra & (extra.cumsum(1) <= (counts - have)[:, None]))
+    c = int(counts.max()) if num_layers else 0
+    # taken storage indices first (ascending), then the rest; keep the first c
+    key = torch.where(take, torch.arange(take.shape[1]), take.shape[1])
+    storage = torch.sort(key, dim=1).values[:, :c]
+    valid = storage < take.shape[1]
+    storage = torch.where(valid, storage, 0)
+    logical = torch.where(valid, order.gather(1, storage), torch.iinfo(torch.int64).max)
     logical, perm = torch.sort(logical, dim=1)
-    return logical, storage.gather(1, perm)
+    storage = storage.gather(1, perm)
+    valid = valid.gather(1, perm)
+    return torch.where(valid, logical, -1), torch.where(valid, storage, -1)

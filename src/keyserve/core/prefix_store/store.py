@@ -106,8 +106,9 @@ class NodeData:
 class LoadedPrefix:
     num_tokens: int  # tokens [0, num_tokens) are now covered
     start: int  # tokens before ``start`` were not loaded (the caller had them)
-    positions: torch.Tensor  # [L, C] int64 positions loaded per layer, ascending
-    kv: torch.Tensor  # [L, C, 2, H, D]
+    positions: torch.Tensor  # [L, C] int64 positions loaded per layer, ascending; -1 pads a
+    # layer that loaded fewer tokens than the longest (its tail)
+    kv: torch.Tensor  # [L, C, 2, H, D] (zeros where positions pad)
     scores: torch.Tensor | None  # [L, H, C] float32 stored scores (importance loads)
     exact: bool  # every token of [start, num_tokens) in every layer
     tiers: dict[str, int] = field(default_factory=dict)  # chunks read per tier
@@ -155,16 +156,19 @@ class PrefixStore:
     def _read_rows(
         self,
         node: RadixNode,
-        storage: torch.Tensor,  # [L, c] storage indices to bring, per layer
+        storage: torch.Tensor,  # [L, c] storage indices to bring, per layer; -1 pads the tail
         access: bool,
-    ) -> torch.Tensor:  # [L, c, 2, H, D]
+    ) -> torch.Tensor:  # [L, c, 2, H, D], zeros where storage pads
         """Read the chunks holding the wanted rows, each from the fastest tier that has it."""
         nd: NodeData = node.payload
         L, c = storage.shape
         H, D = self.layout.num_kv_heads, self.layout.head_dim
-        out = torch.empty(L, c, 2, H, D, dtype=self.layout.dtype)
+        out = torch.zeros(L, c, 2, H, D, dtype=self.layout.dtype)
         for layer in range(L):
-            ids, inv = torch.unique(storage[layer] // self.chunk, sorted=True, return_inverse=True)
+            rows_wanted = storage[layer][storage[layer] >= 0]  # -1 pads a layer that loads fewer
+            if rows_wanted.numel() == 0:
+                continue
+            ids, inv = torch.unique(rows_wanted // self.chunk, sorted=True, return_inverse=True)
             ids_list = ids.tolist()
             buf = torch.empty(len(ids_list), 2, self.chunk, H, D, dtype=self.layout.dtype)
             groups: dict[str, tuple[list[int], list[int]]] = {t: ([], []) for t in TIERS}
@@ -191,7 +195,7 @@ class PrefixStore:
             if access:
                 self._access(node, layer, ids_list, buf)
             rows_of = buf.permute(0, 2, 1, 3, 4).reshape(-1, 2, H, D)  # [chunks * chunk, 2, H, D]
-            out[layer] = rows_of[inv * self.chunk + storage[layer] % self.chunk]
+            out[layer, : rows_wanted.numel()] = rows_of[inv * self.chunk + rows_wanted % self.chunk]
         return out
 
     def _access(
@@ -281,14 +285,17 @@ class PrefixStore:
         start: int = 0,
         important_only: bool = False,
         need_scores: bool = False,
+        min_per_layer: int | None = 0,
     ) -> LoadedPrefix | None:
         """KV of the longest stored prefix of ``tokens`` (at most ``max_tokens``) beyond
-        ``start``: every token, or with ``important_only`` each node's important tokens (all of
-        them in "load all" layers, and as many in every layer). With ``need_scores`` only nodes
-        stored with attention scores count. None if nothing is stored."""
+        ``start``: every token, or with ``important_only`` each node's important tokens per
+        layer (every token in its "load all" layers only), topped up to ``min_per_layer`` tokens
+        per layer with the next most important (None: to as many as the layer loading the most,
+        so every layer holds the same count). With ``need_scores`` only nodes stored with
+        attention scores count. None if nothing is stored."""
         t0 = time.perf_counter()
         try:
-            return self._load(tokens, max_tokens, start, important_only, need_scores)
+            return self._load(tokens, max_tokens, start, important_only, need_scores, min_per_layer)
         finally:
             self.stats.load_seconds += time.perf_counter() - t0
 
@@ -313,6 +320,7 @@ class PrefixStore:
         start: int = 0,
         important_only: bool = False,
         need_scores: bool = False,
+        min_per_layer: int | None = 0,
     ) -> LoadedPrefix | None:
         """``load`` without the clock; a corrupt chunk drops its node and retries the lookup."""
         while True:
@@ -322,7 +330,7 @@ class PrefixStore:
                 return None
             before = {t: getattr(self.stats, f"{t}_hits") for t in TIERS}
             try:
-                pieces = self._load_path(path, start, important_only)
+                pieces = self._load_path(path, start, important_only, min_per_layer)
             except CorruptChunk as e:
                 self.stats.corrupt_chunks += 1
                 bad = self.tree.nodes.get(e.node_id)
@@ -330,23 +338,26 @@ class PrefixStore:
                     self._drop(bad)
                 continue
             break
-        positions = torch.cat([p for p, _, _ in pieces], dim=1)
-        kv = torch.cat([k for _, k, _ in pieces], dim=1)
-        scores = None
-        if important_only:
-            scores = torch.cat([s for _, _, s in pieces], dim=2)
-        exact = positions.shape[1] == m - start
+        positions, kv, scores = _pack_layers(pieces)
+        counts = (positions >= 0).sum(1)  # [L] tokens loaded per layer
+        if not important_only:
+            scores = None
+        exact = bool((counts == m - start).all())
         self.stats.hits += 1
         self.stats.hit_tokens += m - start
-        self.stats.loaded_tokens += positions.shape[1]
+        self.stats.loaded_tokens += int(counts.sum()) // len(counts)
         tiers = {t: getattr(self.stats, f"{t}_hits") - before[t] for t in TIERS}
         return LoadedPrefix(m, start, positions, kv, scores, exact, tiers)
 
     def _load_path(
-        self, path: list, start: int, important_only: bool
+        self, path: list, start: int, important_only: bool, min_per_layer: int | None
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per node on the path: positions [L, c] (-1 pads), KV [L, c, 2, H, D], scores
+        [L, H, c]. A layer short of ``min_per_layer`` tokens in all takes the next most
+        important eligible tokens of the first nodes that have some; with None every layer of
+        a node takes as many as its layer that needs the most."""
         L = self.layout.num_layers
-        pieces = []
+        plan = []
         for step in path:
             node = step.node
             nd: NodeData = node.payload
@@ -360,14 +371,30 @@ class PrefixStore:
             if important_only and nd.important is not None:
                 assert nd.load_all is not None
                 needed = eligible & (nd.important | nd.load_all[:, None])
-            logical, storage = select_rows(nd.order, needed, eligible)
+            plan.append((node, needed, eligible))
+        short = torch.full((L,), min_per_layer or 0, dtype=torch.int64)
+        for _, needed, _ in plan:
+            short -= needed.sum(1)
+        pieces = []
+        for node, needed, eligible in plan:
+            nd = node.payload
+            have = needed.sum(1)
+            if min_per_layer is None:
+                counts = have.max().expand(L)
+            else:
+                extra = torch.minimum(short.clamp(min=0), eligible.sum(1) - have)
+                short -= extra
+                counts = have + extra
+            logical, storage = select_rows(nd.order, needed, eligible, counts)
             kv = self._read_rows(node, storage, access=True)
+            valid = logical >= 0
+            safe = torch.where(valid, logical, 0)
             if nd.scores is not None:
-                idx = logical[:, None, :].expand(L, nd.scores.shape[1], -1)
-                scores = nd.scores.gather(2, idx)
+                idx = safe[:, None, :].expand(L, nd.scores.shape[1], -1)
+                scores = nd.scores.gather(2, idx) * valid[:, None, :]
             else:
                 scores = torch.zeros(L, self.layout.num_kv_heads, logical.shape[1])
-            pieces.append((logical + node.start, kv, scores))
+            pieces.append((torch.where(valid, logical + node.start, -1), kv, scores))
         return pieces
 
     # ---------------------------------------------------------------- inserts
@@ -561,3 +588,25 @@ class PrefixStore:
 
     def close(self) -> None:
         self.disk.close()
+
+
+def _pack_layers(
+    pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate per-node pieces and move each layer's loaded tokens to the front (still
+    ascending by position): positions [L, C] (-1 pads), KV [L, C, 2, H, D], scores [L, H, C]."""
+    positions = torch.cat([p for p, _, _ in pieces], dim=1)
+    kv = torch.cat([k for _, k, _ in pieces], dim=1)
+    scores = torch.cat([s for _, _, s in pieces], dim=2)
+    valid = positions >= 0
+    c = int(valid.sum(1).max())
+    if bool(valid[:, :c].all()):
+        return positions[:, :c], kv[:, :c], scores[..., :c]
+    key = torch.where(valid, torch.arange(positions.shape[1]), positions.shape[1])
+    perm = torch.sort(key, dim=1).indices[:, :c]  # [L, C] valid columns first, in order
+    kv_idx = perm.view(*perm.shape, 1, 1, 1).expand(-1, -1, *kv.shape[2:])
+    return (
+        positions.gather(1, perm),
+        kv.gather(1, kv_idx),
+        scores.gather(2, perm[:, None, :].expand(-1, scores.shape[1], -1)),
+    )
