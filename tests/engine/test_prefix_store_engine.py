@@ -152,6 +152,88 @@ def test_importance_load_equals_attention_over_the_same_tokens(stories_path: str
     llm.engine.close()
 
 
+def test_layers_load_different_counts_and_generate_what_attention_over_them_does(
+    stories_path: str, tmp_path: Path
+) -> None:
+    """One layer of a stored prefix is marked "load all" (its heads disagreed): that layer loads
+    every token and the others only their important half. Each layer's suffix is written right
+    after its own tokens and attends to exactly them, prompt-phase H2O then brings every layer to
+    k, and decoding goes on. Oracle: transformers run token by token over caches holding, per
+    (layer, head), the tokens our state holds at that step, with K/V it computed itself."""
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    llm = make(stories_path, tmp_path, top_k_fraction=0.5, check_agreement=False)
+    ids = llm.engine.encode_prompt(STORY)
+    llm.generate([ids], greedy(1, kv_policy="h2o", kv_budget=0.5))  # computes and stores, with scores
+    store = llm.engine.prefix_store.store
+    m = len(ids) - len(ids) % BLOCK
+    suffix = llm.engine.encode_prompt(" Then she went home and had a nap.")[1:]
+    prompt, q = ids[:m] + suffix, len(suffix)
+    nd = store.tree.match(prompt)[0].node.payload
+    nd.load_all = nd.load_all.clone()
+    nd.load_all[2] = True  # as if layer 2's three heads had disagreed
+    half = m // 2
+    k = half + q // 2  # below the whole prompt: H2O evicts; above half - q: no top-up needed
+    loads = [half, half, m, half, half]
+    rid, seq = first_step(llm, prompt, greedy(10, kv_policy="h2o", kv_budget=float(k)))
+    assert seq.num_cached_tokens == m
+    state = llm.engine.runner.budget.states[seq.seq_id]
+    held = [list(range(m)) if c == m else nd.important[layer].nonzero().flatten().tolist()
+            for layer, c in enumerate(loads)]  # per layer: the positions it loaded
+    st = store.stats
+    assert st.disk_hits == 4 * -(-half // BLOCK) + m // BLOCK  # repacked chunks; layer 2 all of them
+    assert st.loaded_tokens == sum(loads) // 5 and st.hit_tokens == m
+    # the prompt step ends with H2O's selection: every layer at k, each from its own tokens
+    assert state.layer_held is None and state.num_slots == k
+    for layer in range(5):
+        allowed = set(held[layer]) | set(range(m, m + q))
+        assert set(state.positions[layer].flatten().tolist()) <= allowed
+    kept = state.positions.clone()  # [L, H, k]
+    ours_kv = gather(llm, seq.block_table, torch.arange(k))  # [L, k, 2, H, D]
+
+    hf = LlamaForCausalLM.from_pretrained(stories_path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    kv: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(5)]  # layer -> pos -> (K, V) [Hkv, D]
+
+    def run(token: int, p: int, per_layer_head: list[list[list[int]]]) -> torch.Tensor:
+        """Logits of ``token`` at position ``p`` attending, per (layer, head), to the given
+        earlier positions plus itself; records its K/V."""
+        cache = DynamicCache()
+        for layer, heads in enumerate(per_layer_head):
+            ks = torch.stack([torch.stack([kv[layer][x][0][h] for x in hp]) for h, hp in enumerate(heads)])
+            vs = torch.stack([torch.stack([kv[layer][x][1][h] for x in hp]) for h, hp in enumerate(heads)])
+            cache.update(ks[None], vs[None], layer)
+        out = hf(torch.tensor([[token]]), position_ids=torch.tensor([[p]]), past_key_values=cache, use_cache=True)
+        for layer in range(5):
+            lay = out.past_key_values.layers[layer]
+            kv[layer][p] = (lay.keys[0, :, -1], lay.values[0, :, -1])
+        return out.logits[0, -1]
+
+    with torch.no_grad():
+        full = hf(torch.tensor([ids[:m]]), use_cache=True).past_key_values
+        for layer in range(5):
+            for x in range(m):
+                kv[layer][x] = (full.layers[layer].keys[0, :, x], full.layers[layer].values[0, :, x])
+        for i, token in enumerate(suffix):
+            logits = run(token, m + i, [[hp + list(range(m, m + i))] * 4 for hp in held])
+        for layer in range(5):  # every kept (layer, head, slot) holds the oracle's K/V
+            for h in range(4):
+                xs = kept[layer, h].tolist()
+                want = torch.stack([torch.stack([kv[layer][x][0][h], kv[layer][x][1][h]]) for x in xs])
+                torch.testing.assert_close(ours_kv[layer, :, :, h], want, atol=1e-5, rtol=1e-5)
+        tokens = [int(logits.argmax())]
+        assert seq.output_token_ids == tokens
+        while len(seq.output_token_ids) < 10:
+            llm.engine.step()
+            assert state.layer_held is None and state.num_slots == k  # every layer evened out at k
+            p = m + q + len(tokens) - 1  # the position just fed
+            now = state.positions  # [L, H, k]: what that step attended to, itself included
+            per = [[[x for x in now[layer, h].tolist() if x != p] for h in range(4)] for layer in range(5)]
+            tokens.append(int(run(tokens[-1], p, per).argmax()))
+            assert seq.output_token_ids == tokens
+    llm.engine.run_until_done()
+    llm.engine.close()
+
+
 def test_corrupt_chunk_file_is_recomputed_and_counted(stories_path: str, ref: LLM, tmp_path: Path) -> None:
     llm = make(stories_path, tmp_path)
     llm.generate(STORY, greedy())
