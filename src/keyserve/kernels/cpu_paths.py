@@ -219,12 +219,18 @@ def prefill_sdpa_scores(
     """Prefill attention that also returns the KV-budget scores ([num_seqs, num_kv_heads,
     max_context] float32, summed over the chunk's queries and the group's heads).
 
-    The output comes from fused SDPA as in ``prefill_sdpa``; the scores from one more pass of
-    batched matmuls over query chunks whose logits stay within ``SCORE_CHUNK_BYTES``, softmaxed
-    in place and summed; a chunk stops at its last query's slot (the causal triangle's masked
-    half is never computed), instead of the reference's materialised ``[heads, queries, slots]``
-    logits with separate passes for output and scores."""
-    out = prefill_sdpa(query, k_cache, v_cache, block_tables, starts, lens, scale, sliding_window)
+    The scores come from batched matmuls over query chunks whose logits stay within
+    ``SCORE_CHUNK_BYTES``, softmaxed and summed; a chunk stops at its last query's slot (the
+    causal triangle's masked half is never computed) and only its diagonal block is masked.
+    Under H2O the same probabilities give the output (one more matmul with V, instead of a
+    second pass through fused SDPA); Keyformer's scores come from noisy logits, so its output
+    is fused SDPA's as in ``prefill_sdpa``. The reference instead materialises ``[heads,
+    queries, slots]`` logits with separate passes for output and scores."""
+    gumbel = score_mode == "gumbel"
+    if gumbel:
+        out = prefill_sdpa(query, k_cache, v_cache, block_tables, starts, lens, scale, sliding_window)
+    else:
+        out = torch.zeros_like(query)
     num_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -240,10 +246,11 @@ def prefill_sdpa_scores(
         lo = 0 if sliding_window is None else max(0, prefix - sliding_window + 1)
         b0, b1 = lo // block_size, (ctx + block_size - 1) // block_size
         first = b0 * block_size
-        k, _ = _gather_kv(k_cache, v_cache, block_tables[i : i + 1, b0:b1])
+        k, v = _gather_kv(k_cache, v_cache, block_tables[i : i + 1, b0:b1])
         k = k[0, :, : ctx - first].float()  # [num_kv_heads, slots, head_dim]
+        v = v[0, :, : ctx - first].float()
         slots = ctx - first
-        q = query[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
+        q = query[q_start:q_end].float().mul(scale).view(q_len, num_kv_heads, group, head_dim)
         q = q.permute(1, 2, 0, 3)  # [num_kv_heads, group, q_len, head_dim]
         cols = torch.arange(first, ctx, device=device)[None, :]
         rows_per_chunk = max(1, SCORE_CHUNK_BYTES // (4 * num_heads * slots))
@@ -252,21 +259,28 @@ def prefill_sdpa_scores(
             n = r1 - r0
             width = prefix + r1 - first  # slots after the chunk's last query are masked for all its rows
             qc = q[:, :, r0:r1].reshape(num_kv_heads, group * n, head_dim)
-            logits = torch.bmm(qc, k[:, :width].transpose(1, 2)).mul_(scale)  # [Hkv, group * n, width]
+            logits = torch.bmm(qc, k[:, :width].transpose(1, 2))  # [Hkv, group * n, width]
             logits = logits.view(num_kv_heads, group, n, width)
             pos = torch.arange(r0, r1, device=device)[:, None] + prefix
-            masked = cols[:, :width] > pos  # [n, width]
+            # causal masking touches only the diagonal block (slots of this chunk's own queries)
+            d0 = max(0, prefix + r0 - first) if sliding_window is None else 0
+            masked = cols[:, d0:width] > pos  # [n, width - d0]
             if sliding_window is not None:
                 masked |= cols[:, :width] <= pos - sliding_window
-            if score_mode == "gumbel":
+            if gumbel:
                 if uniforms is not None:
                     u = uniforms[q_start + r0 : q_start + r1, :, first : first + width].float()
-                    u = u.view(n, num_kv_heads, group, width).permute(1, 2, 0, 3)
+                    u = u.view(n, num_kv_heads, group, width).permute(1, 2, 0, 3).clone()
                 else:
                     u = torch.rand_like(logits)
-                u = u.clamp(1e-20, 1.0 - 1e-7)
-                logits = logits.sub_(torch.log(-torch.log(u))).div_(tau[i].float())
-            logits.masked_fill_(masked, float("-inf"))
+                # Gumbel noise -log(-log U), in place (torch's exponential_ is ~6x slower on CPU)
+                u.clamp_(1e-20, 1.0 - 1e-7).log_().neg_().log_()
+                logits = logits.sub_(u).div_(tau[i].float())
+            logits[..., d0:].masked_fill_(masked, float("-inf"))
             probs = torch.softmax(logits, dim=-1)  # every row keeps its own slot: no empty row
             scores[i, :, first : first + width] += probs.sum(dim=(1, 2))
+            if not gumbel:
+                o = torch.bmm(probs.view(num_kv_heads, group * n, width), v[:, :width])  # [Hkv, group * n, D]
+                o = o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
+                out[q_start + r0 : q_start + r1] = o.reshape(n, num_heads, head_dim).to(out.dtype)
     return out, scores
