@@ -152,8 +152,9 @@ def test_importance_load_equals_attention_over_the_same_tokens(stories_path: str
     llm.engine.close()
 
 
+@pytest.mark.parametrize("step_tokens", [None, 6])  # 6: the suffix is prefilled over 3 steps
 def test_layers_load_different_counts_and_generate_what_attention_over_them_does(
-    stories_path: str, tmp_path: Path
+    stories_path: str, tmp_path: Path, step_tokens: int | None
 ) -> None:
     """One layer of a stored prefix is marked "load all" (its heads disagreed): that layer loads
     every token and the others only their important half. Each layer's suffix is written right
@@ -169,6 +170,8 @@ def test_layers_load_different_counts_and_generate_what_attention_over_them_does
     m = len(ids) - len(ids) % BLOCK
     suffix = llm.engine.encode_prompt(" Then she went home and had a nap.")[1:]
     prompt, q = ids[:m] + suffix, len(suffix)
+    if step_tokens is not None:
+        llm.engine.scheduler.config.max_num_batched_tokens = step_tokens
     nd = store.tree.match(prompt)[0].node.payload
     nd.load_all = nd.load_all.clone()
     nd.load_all[2] = True  # as if layer 2's three heads had disagreed
@@ -178,6 +181,10 @@ def test_layers_load_different_counts_and_generate_what_attention_over_them_does
     rid, seq = first_step(llm, prompt, greedy(10, kv_policy="h2o", kv_budget=float(k)))
     assert seq.num_cached_tokens == m
     state = llm.engine.runner.budget.states[seq.seq_id]
+    if step_tokens is not None:  # mid-prompt: each layer's suffix so far follows its own tokens
+        assert state.layer_held is not None and state.layer_held.tolist() == [c + step_tokens for c in loads]
+        while not seq.output_token_ids:
+            llm.engine.step()
     held = [list(range(m)) if c == m else nd.important[layer].nonzero().flatten().tolist()
             for layer, c in enumerate(loads)]  # per layer: the positions it loaded
     st = store.stats

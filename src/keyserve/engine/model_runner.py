@@ -267,7 +267,8 @@ class ModelRunner:
                 per_head.append((row, item, rows, len(rows)))
                 rows.add(table, -1, 1, mode, self._tau(item, True))  # context once victims are known
             slots.append(physical_slots(logical.cpu(), torch.tensor(table, dtype=torch.int64), block))
-        if per_head or any(s.dim() == 2 for s in slots):
+        per_layer_slots = bool(per_head) or any(s.dim() == 2 for s in slots)
+        if per_layer_slots:
             L = self.num_layers
             per_layer = torch.cat([s.expand(L, -1) for s in slots], dim=1)  # [L, num_tokens]
             full = per_layer[:, :, None].expand(-1, -1, self.num_kv_heads).clone()
@@ -279,7 +280,7 @@ class ModelRunner:
                 table = torch.tensor(item.block_table, dtype=torch.int64)
                 full[:, row, :] = physical_slots(victims[i].cpu(), table, block)
                 rows.context_lens[index] = budget.states[item.seq_id].num_slots
-        if per_head or any(s.dim() == 2 for s in slots):
+        if per_layer_slots:
             slot_mapping = full
         modes = dec.modes + pre.modes
         wanted = {m for m in modes if m is not None}
@@ -509,4 +510,6 @@ def _stack_layers(
     """Layers may attend over different context lengths (a sequence whose layers hold different
     counts): pad each layer's scores to the widest before stacking."""
     width = max(t.shape[-1] for t in per_layer)
-    return torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in per_layer], dim=1)
+    if any(t.shape[-1] != width for t in per_layer):
+        per_layer = [torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in per_layer]
+    return torch.stack(per_layer, dim=1)
