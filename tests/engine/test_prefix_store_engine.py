@@ -241,6 +241,29 @@ def test_layers_load_different_counts_and_generate_what_attention_over_them_does
     llm.engine.close()
 
 
+def test_short_shared_prefix_loads_whole_so_the_new_prompt_is_stored(stories_path: str, tmp_path: Path) -> None:
+    """Two documents behind the same short preamble, under H2O: the second loads the preamble
+    in every layer (it is shorter than what follows), so its own prompt is computed exactly and
+    stored, with scores, for its next question to load."""
+    llm = make(stories_path, tmp_path, top_k_fraction=0.5, check_agreement=False)
+    enc = llm.engine.encode_prompt
+    preamble = enc(STORY)[: 2 * BLOCK]
+    doc_a, doc_b = preamble + enc(OTHERS[0])[1:], preamble + enc(OTHERS[1])[1:]
+    h2o = greedy(1, kv_policy="h2o", kv_budget=0.5)
+    llm.generate([doc_a], h2o)
+    store = llm.engine.prefix_store.store
+    llm.generate([doc_b], h2o)
+    assert store.stats.hits == 1 and store.stats.hit_tokens == 2 * BLOCK
+    assert store.stats.loaded_tokens == 2 * BLOCK  # every layer: the whole preamble
+    aligned = len(doc_b) - len(doc_b) % BLOCK
+    assert store.match_length(doc_b, need_scores=True) == aligned  # doc B itself is stored
+    question = enc(" What did they do?")[1:]
+    llm.generate([doc_b + question], h2o)
+    assert store.stats.hits == 2 and store.stats.hit_tokens == 2 * BLOCK + aligned
+    assert store.stats.loaded_tokens < 2 * BLOCK + aligned  # a long prefix: important tokens only
+    llm.engine.close()
+
+
 def test_corrupt_chunk_file_is_recomputed_and_counted(stories_path: str, ref: LLM, tmp_path: Path) -> None:
     llm = make(stories_path, tmp_path)
     llm.generate(STORY, greedy())

@@ -179,15 +179,21 @@ class EnginePrefixStore:
         return []
 
     def _tokens_per_layer_floor(self, seq: Sequence, m: int) -> int | None:
-        """Fewest prefix tokens a layer may load. Layers may load different counts only until
+        """Fewest prefix tokens a layer may load (all of them before a longer rest of the
+        prompt). Layers may load different counts only until
         prompt-phase eviction evens them out at k (decode takes one context length per
         sequence), so the loaded tokens plus the rest of the sequence must reach k in every
         layer. With k at least the whole sequence nothing is evicted: None, every layer loads
         the same count."""
+        rest = seq.num_tokens - m
+        if rest >= m:
+            # A prefix shorter than what follows (a shared system prompt before a new document)
+            # loads whole: the prompt computed after it stays exact and can itself be stored.
+            return m
         spec = budget_spec(seq, self.budget_defaults)
         if spec is None or spec.budget is None or spec.budget >= seq.num_tokens:
             return None
-        return min(m, max(0, spec.budget - (seq.num_tokens - m)))
+        return min(m, max(0, spec.budget - rest))
 
     def _needs_scores(self, seq: Sequence) -> bool:
         """H2O / Keyformer evict by accumulated scores: a prefix stored without them is
