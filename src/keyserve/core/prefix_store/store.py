@@ -163,9 +163,10 @@ class PrefixStore:
         nd: NodeData = node.payload
         L, c = storage.shape
         H, D = self.layout.num_kv_heads, self.layout.head_dim
-        out = torch.zeros(L, c, 2, H, D, dtype=self.layout.dtype)
+        out = torch.empty(L, c, 2, H, D, dtype=self.layout.dtype)
         for layer in range(L):
             rows_wanted = storage[layer][storage[layer] >= 0]  # -1 pads a layer that loads fewer
+            out[layer, rows_wanted.numel() :] = 0
             if rows_wanted.numel() == 0:
                 continue
             ids, inv = torch.unique(rows_wanted // self.chunk, sorted=True, return_inverse=True)
@@ -238,9 +239,9 @@ class PrefixStore:
         self,
         key: ChunkKey,
         prio: tuple,
-        data: torch.Tensor,  # [1, 2, chunk, H, D]
+        data: torch.Tensor | int,  # [1, 2, chunk, H, D], or the device slot that holds it now
         tier: str,
-        pending: dict[str, dict[int, tuple[ChunkKey, torch.Tensor]]],
+        pending: dict[str, dict[int, tuple[ChunkKey, Any]]],
     ) -> bool:
         """Admit one chunk to ``tier``; a chunk it evicts from the device tier drops to host.
         Data moves are batched: ``pending[tier][slot]`` is what ``_flush`` writes there."""
@@ -252,8 +253,8 @@ class PrefixStore:
             victim, vslot = evicted
             vdata = pending[tier].pop(vslot, (None, None))[1]
             if tier == "device":
-                if vdata is None:  # resident before this batch: its slot is not written yet
-                    vdata = self.data["device"].read(layer, [vslot])
+                if vdata is None:  # resident before this batch: read (batched) at the flush,
+                    vdata = vslot  # before the device slots are overwritten
                 vnd: NodeData = self.tree.nodes[victim[0]].payload
                 vprio = self._priority(vnd, layer, victim[2])
                 if self.index["host"].would_admit(layer, vprio):
@@ -261,8 +262,17 @@ class PrefixStore:
         pending[tier][slot] = (key, data)
         return True
 
-    def _flush(self, layer: int, pending: dict[str, dict[int, tuple[ChunkKey, torch.Tensor]]]) -> None:
-        for tier, moves in pending.items():
+    def _flush(self, layer: int, pending: dict[str, dict[int, tuple[ChunkKey, Any]]]) -> None:
+        """Write the batch: host first, its chunks that come from device slots read in one call
+        while those slots still hold them, then the device tier."""
+        host = pending["host"]
+        from_device = [slot for slot, (_, d) in host.items() if isinstance(d, int)]
+        if from_device:
+            rows = self.data["device"].read(layer, [host[s][1] for s in from_device])
+            for j, slot in enumerate(from_device):
+                host[slot] = (host[slot][0], rows[j : j + 1])
+        for tier in ("host", "device"):
+            moves = pending[tier]
             if moves:
                 self.data[tier].write(layer, list(moves), torch.cat([d for _, d in moves.values()]))
 
@@ -593,20 +603,26 @@ class PrefixStore:
 def _pack_layers(
     pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Concatenate per-node pieces and move each layer's loaded tokens to the front (still
-    ascending by position): positions [L, C] (-1 pads), KV [L, C, 2, H, D], scores [L, H, C]."""
-    positions = torch.cat([p for p, _, _ in pieces], dim=1)
-    kv = torch.cat([k for _, k, _ in pieces], dim=1)
-    scores = torch.cat([s for _, _, s in pieces], dim=2)
-    valid = positions >= 0
-    c = int(valid.sum(1).max())
-    if bool(valid[:, :c].all()):
-        return positions[:, :c], kv[:, :c], scores[..., :c]
-    key = torch.where(valid, torch.arange(positions.shape[1]), positions.shape[1])
-    perm = torch.sort(key, dim=1).indices[:, :c]  # [L, C] valid columns first, in order
-    kv_idx = perm.view(*perm.shape, 1, 1, 1).expand(-1, -1, *kv.shape[2:])
-    return (
-        positions.gather(1, perm),
-        kv.gather(1, kv_idx),
-        scores.gather(2, perm[:, None, :].expand(-1, scores.shape[1], -1)),
-    )
+    """Concatenate per-node pieces (each layer's tokens first, -1 pads after) so that each
+    layer's loaded tokens come first, still ascending by position: positions [L, C] (-1 pads),
+    KV [L, C, 2, H, D], scores [L, H, C]. Plain slice copies, one per (layer, piece)."""
+    counts = [(p >= 0).sum(1).tolist() for p, _, _ in pieces]  # per piece: [L]
+    if len(pieces) == 1 and len(set(counts[0])) == 1:
+        return pieces[0]
+    num_layers = pieces[0][0].shape[0]
+    totals = [sum(c[layer] for c in counts) for layer in range(num_layers)]
+    width = max(totals)
+    kv0, sc0 = pieces[0][1], pieces[0][2]
+    positions = torch.full((num_layers, width), -1, dtype=torch.int64)
+    kv = torch.empty(num_layers, width, *kv0.shape[2:], dtype=kv0.dtype)
+    scores = torch.zeros(num_layers, sc0.shape[1], width, dtype=sc0.dtype)
+    for layer in range(num_layers):
+        at = 0
+        for (p, k, sc), c in zip(pieces, counts):
+            n = c[layer]
+            positions[layer, at : at + n] = p[layer, :n]
+            kv[layer, at : at + n] = k[layer, :n]
+            scores[layer, :, at : at + n] = sc[layer, :, :n]
+            at += n
+        kv[layer, at:] = 0
+    return positions, kv, scores
