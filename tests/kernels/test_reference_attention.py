@@ -129,3 +129,31 @@ def test_reference_rejects_gumbel_without_tau():
     args = (torch.randn(1, 2, 16), case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.25)
     with pytest.raises(ValueError, match=r"^tau: score_mode='gumbel' needs"):
         paged_decode_attention_reference(*args, score_mode="gumbel")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("flash_lse", [True, False])
+def test_chunk_after_a_prefix_two_flash_passes_equal_dense(monkeypatch, dtype, flash_lse):
+    """A chunk after cached slots runs as prefix-unmasked + chunk-causal flash passes merged by
+    log-sum-exp (or, without torch's private op, one masked pass): both equal dense attention.
+    Lengths straddle ``SPLIT_MIN_QUERIES`` and leave partly filled blocks on both sides."""
+    from keyserve.kernels import cpu_paths
+
+    calls = []
+    split = cpu_paths._prefix_then_causal
+    monkeypatch.setattr(cpu_paths, "_prefix_then_causal", lambda *a: calls.append(a[3]) or split(*a))
+    if not flash_lse:
+        monkeypatch.setattr(cpu_paths, "_FLASH_LSE", None)
+    lens, q_lens = [70, 93, 40, 45], [70, 61, 31, 1]  # fresh, split, below threshold, decode-like
+    case = make_case(lens, 16, 3, 64, dtype=dtype, seed=4)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], 9, 64).to(dtype)
+    out, _ = paged_prefill_attention_reference(
+        q, case.k_cache, case.v_cache, case.block_tables, torch.tensor(starts, dtype=torch.int32),
+        case.context_lens, 0.125,
+    )
+    want = dense_prefill(case, q.float(), starts, 0.125)
+    torch.testing.assert_close(out.float(), want.float(), **tolerance(dtype))
+    assert calls == ([93 - 61] if flash_lse else [])  # only the long chunk after a prefix splits

@@ -189,6 +189,9 @@ def prefill_sdpa(
             # the last block's padding slots lie beyond every query), and torch's flash kernel
             # takes it without a materialised mask, about twice as fast.
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        elif (sliding_window is None and q_len >= SPLIT_MIN_QUERIES and _FLASH_LSE is not None
+              and q.dtype in _FLASH_DTYPES):
+            o = _prefix_then_causal(q, k[:, :, :ctx], v[:, :, :ctx], prefix, scale)
         else:
             rows = torch.arange(q_len, device=device)[:, None] + prefix
             cols = torch.arange(b0 * block_size, b1 * block_size, device=device)[None, :]
@@ -198,6 +201,43 @@ def prefill_sdpa(
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=True)
         out[q_start:q_end] = o[0].transpose(0, 1).to(query.dtype)
     return out
+
+
+# torch's CPU flash kernel with its log-sum-exp (a private op: guarded, the masked path is the
+# fallback). On an older or newer torch without it nothing changes but speed.
+_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_DTYPES = (torch.float32, torch.bfloat16)
+# Below this many queries (speculative verification, small chunks) the masked half is small
+# and one masked pass beats two passes and a merge.
+SPLIT_MIN_QUERIES = 32
+
+
+def _prefix_then_causal(
+    q: torch.Tensor,  # [1, num_heads, q_len, head_dim]
+    k: torch.Tensor,  # [1, num_kv_heads, prefix + q_len, head_dim]
+    v: torch.Tensor,  # [1, num_kv_heads, prefix + q_len, head_dim]
+    prefix: int,
+    scale: float,
+) -> torch.Tensor:  # [1, num_heads, q_len, head_dim]
+    """A chunk after ``prefix`` cached slots, as two flash passes merged by their log-sum-exp:
+    every query over the whole prefix (no mask), and the chunk over itself with ``is_causal``.
+    A materialised slot-causal mask would make the flash kernel compute the chunk's masked
+    half too: with a 16-token prefix hit that doubles the attention of the whole prompt."""
+    assert _FLASH_LSE is not None
+    num_heads, q_len, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    # Over the prefix no query is masked: fold the group's heads into rows (no K/V copy).
+    qg = q.reshape(1, num_kv_heads, group * q_len, head_dim)
+    o1, lse1 = _FLASH_LSE(qg, k[:, :, :prefix], v[:, :, :prefix], scale=scale)[:2]
+    o1 = o1.reshape(1, num_heads, q_len, head_dim).float()
+    lse1 = lse1.reshape(1, num_heads, q_len)
+    kc = k[:, :, prefix:].repeat_interleave(group, dim=1)  # [1, num_heads, q_len, head_dim]
+    vc = v[:, :, prefix:].repeat_interleave(group, dim=1)
+    o2, lse2 = _FLASH_LSE(q, kc, vc, is_causal=True, scale=scale)[:2]
+    lse = torch.logaddexp(lse1, lse2)
+    o1.mul_(torch.exp(lse1 - lse).unsqueeze(-1))
+    return o1.addcmul_(o2.float(), torch.exp(lse2 - lse).unsqueeze(-1)).to(q.dtype)
 
 
 SCORE_CHUNK_BYTES = 16 << 20  # logits of one query chunk: [heads, rows, slots] float32
