@@ -264,6 +264,29 @@ def test_short_shared_prefix_loads_whole_so_the_new_prompt_is_stored(stories_pat
     llm.engine.close()
 
 
+def test_storing_waits_for_the_step_after_the_first_token(stories_path: str, tmp_path: Path) -> None:
+    """A budgeted prompt is copied out of its blocks before compaction, in the step that emits
+    its first token, and stored (importance, tiers, disk) only before the next step; a later
+    request loads it. (The oracle tests above check what such deferred copies load back.)"""
+    llm = make(stories_path, tmp_path)
+    engine, ps = llm.engine, llm.engine.prefix_store
+    ids = engine.encode_prompt(STORY)
+    rid = engine.add_request(ids, greedy(3, kv_policy="h2o", kv_budget=0.5))
+    outs = engine.step()  # the whole prompt in one step
+    assert outs[0].token_ids and ps.store.stats.stored_tokens == 0
+    assert ps.pending_tokens == len(ids) - len(ids) % BLOCK
+    engine.step()
+    aligned = len(ids) - len(ids) % BLOCK
+    assert ps.pending_tokens == 0 and ps.store.stats.stored_tokens == aligned
+    assert ps.store.match_length(ids, need_scores=True) == aligned
+    finish(llm, rid)
+    assert ps.store.stats.importance_layers == 5  # stored with its scores
+    question = engine.encode_prompt(" Where did the ball go?")[1:]
+    llm.generate([ids + question], greedy(3, kv_policy="h2o", kv_budget=0.5))
+    assert ps.store.stats.hits == 1 and ps.store.stats.hit_tokens == aligned
+    llm.engine.close()
+
+
 def test_corrupt_chunk_file_is_recomputed_and_counted(stories_path: str, ref: LLM, tmp_path: Path) -> None:
     llm = make(stories_path, tmp_path)
     llm.generate(STORY, greedy())
@@ -291,10 +314,10 @@ def test_preempted_sequences_feed_the_store_and_finish_correctly(stories_path: s
     on_free = ps.on_free
 
     def spy(seq):
-        before = ps.store.stats.stored_tokens
+        before = ps.pending_tokens  # copied out at once, stored before the next step
         on_free(seq)
         if not seq.is_finished:
-            freed_unfinished.append(ps.store.stats.stored_tokens - before)
+            freed_unfinished.append(ps.pending_tokens - before)
 
     llm.engine.block_manager.on_free = spy
     prompts = [STORY, OTHERS[0]]

@@ -199,3 +199,30 @@ def test_scores_arriving_later_repack_the_node(tmp_path: Path) -> None:
     got = store.load(tokens, n, important_only=True, need_scores=True)
     assert got is not None and got.positions.tolist() == [[8, 9, 10, 11]] * L
     assert torch.equal(got.kv, kv_of(tokens, 0, n)[:, 8:12])
+
+
+def test_first_unstored_is_the_first_position_an_insert_reads(tmp_path: Path) -> None:
+    """The engine copies KV out of blocks from ``first_unstored`` on and stores it later; an
+    insert given only that part must read nothing before it."""
+    store = make_store(tmp_path)
+    a = list(range(1, 19))
+    b = a[:9] + [50] * 10
+    assert store.first_unstored(a, False) == 0
+    insert(store, a)
+    assert store.first_unstored(a, False) == 16  # all of a's aligned part is stored
+    assert store.first_unstored(b, False) == 8  # b diverges inside a's node, in chunk 8..11
+    assert store.first_unstored(b, True) == 0  # with scores, a's scoreless node is repacked
+    reads: list[tuple[int, int]] = []
+
+    def read_from(start: int):
+        def read(x: int, y: int) -> torch.Tensor:
+            assert x >= start
+            reads.append((x, y))
+            return kv_of(b, x, y)
+        return read
+
+    scores = torch.rand(L, H, len(b))
+    assert store.insert(b, read_from(store.first_unstored(b, True)), scores) == 8
+    assert reads and min(x for x, _ in reads) == 0
+    assert store.first_unstored(b, True) == 16 and store.first_unstored(b + [3] * 4, True) == 16
+    check_exact(store, b + [0], 16)

@@ -288,6 +288,14 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return a snapshot of every request that made progress."""
+        if self.prefix_store is not None:  # what the last step copied out, before any lookup
+            self.prefix_store.flush()
+        outputs = self._step()
+        if self.prefix_store is not None and not self.requests:
+            self.prefix_store.flush()  # idle: nobody waits for a token
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         drafter = self.drafter
         speculate = drafter is not None and getattr(drafter, "available", True)
         scheduled = self.core.schedule(speculate)

@@ -7,9 +7,15 @@ the attention scores its policy accumulated, just before prompt-phase eviction c
 (``KVCore.prefix_hook``); and a sequence being admitted gets the longest stored prefix loaded
 into fresh blocks instead of recomputed (``Scheduler.prefix_loader``) -- every token under the
 full policy, only the important chunks under a KV budget, at their original positions.
+Storing is split: the KV is copied out of the blocks at once, and stored (importance,
+repacking, tiers, the disk write) at ``flush``, which the engine calls before its next step
+and when it goes idle.
 """
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +32,14 @@ from keyserve.core.prefix_store import (
 )
 from keyserve.core.sequence import Sequence
 from keyserve.engine.kv_budget import BudgetDefaults, budget_spec
+
+
+@dataclass
+class _PendingInsert:
+    tokens: list[int]
+    start: int  # the first position ``kv`` holds
+    kv: torch.Tensor  # [L, aligned(len(tokens)) - start, 2, H, D], copied from the blocks
+    scores: torch.Tensor | None  # [L, H, >= len(tokens)]
 
 
 class EnginePrefixStore:
@@ -63,6 +77,8 @@ class EnginePrefixStore:
         self.store = PrefixStore(settings, KVLayout(num_layers, heads, dim, dtype), disk, device, host)
         self._loaded: set[int] = set()  # seq_ids whose blocks came from a load this admission
         self._quiet: set[int] = set()  # seq_ids being undone: do not store them on free
+        self._pending: list[_PendingInsert] = []  # copied out, stored at the next flush
+        self.dropped_inserts = 0
         bm.on_free = self.on_free
         core.scheduler.prefix_loader = self  # type: ignore[attr-defined]
         core.prefix_hook = self  # type: ignore[attr-defined]
@@ -109,9 +125,7 @@ class EnginePrefixStore:
         computed = min(seq.num_computed_tokens, len(seq.block_table) * self.block_size)
         if computed < self.store.chunk:
             return
-        tokens = seq.token_ids[:computed]
-        table = list(seq.block_table)
-        self.store.insert(tokens, lambda a, b: self._gather(table, a, b))
+        self._defer(seq.token_ids[:computed], list(seq.block_table), None)
 
     def on_prompt_computed(self, seq: Sequence) -> None:
         """A budgeted prompt is computed (or its sequence ends first) and not yet compacted:
@@ -127,9 +141,39 @@ class EnginePrefixStore:
             return  # loaded with tokens dropped: its later KV is approximate, never stored
         # A copy: ``state.scores`` is a view that compaction and later steps rewrite.
         scores = state.scores.float().cpu().clone() if state.spec.by_score else None
-        tokens = seq.token_ids[:n]
-        table = list(seq.block_table)
-        self.store.insert(tokens, lambda a, b: self._gather(table, a, b), scores)
+        self._defer(seq.token_ids[:n], list(seq.block_table), scores)
+
+    def _defer(
+        self,
+        tokens: list[int],
+        table: list[int],
+        scores: torch.Tensor | None,  # [L, H, >= len(tokens)] accumulated attention
+    ) -> None:
+        """Copy out now the KV an insert would read (the blocks are about to be freed or
+        compacted); store it at ``flush``, after the step has returned its tokens, so storing
+        delays neither this request's first token nor anyone's current one."""
+        t0 = time.perf_counter()
+        start = self.store.first_unstored(tokens, scores is not None)
+        end = self.store.tree.aligned(len(tokens))
+        if start < end:
+            self._pending.append(_PendingInsert(tokens, start, self._gather(table, start, end), scores))
+        self.store.stats.insert_seconds += time.perf_counter() - t0
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens copied out of blocks and not yet stored."""
+        return sum(p.kv.shape[1] for p in self._pending)
+
+    def flush(self) -> None:
+        """Store what the last steps copied out, oldest first. A copy that no longer covers
+        what the insert would read (an earlier insert evicted part of its path) is dropped."""
+        pending, self._pending = self._pending, []
+        for p in pending:
+            if self.store.first_unstored(p.tokens, p.scores is not None) < p.start:
+                self.dropped_inserts += 1
+                continue
+            kv, start = p.kv, p.start
+            self.store.insert(p.tokens, lambda a, b: kv[:, a - start : b - start], p.scores)
 
     # ------------------------------------------------------------------ loading
     def load(self, seq: Sequence, cached: list[KVBlock], token_budget: int) -> list[KVBlock]:
@@ -235,4 +279,5 @@ class EnginePrefixStore:
         return self.store.sync_stats().to_dict()
 
     def close(self) -> None:
+        self._pending.clear()
         self.store.close()

@@ -309,6 +309,17 @@ class PrefixStore:
         finally:
             self.stats.load_seconds += time.perf_counter() - t0
 
+    def first_unstored(self, tokens: list[int], with_scores: bool) -> int:
+        """The first position whose KV ``insert(tokens, ...)`` would read (its aligned length if
+        none): where the stored path ends or, when scores come with it, where the first stored
+        node still without scores starts (it is repacked from the caller's exact KV)."""
+        path = self.tree.match(tokens, self.tree.aligned(len(tokens)))
+        if with_scores:
+            for step in path:
+                if step.node.payload is not None and step.node.payload.scores is None:
+                    return step.node.start
+        return sum(step.num_tokens for step in path) if path else 0
+
     def insert(
         self,
         tokens: list[int],
