@@ -279,7 +279,10 @@ class LLMEngine:
                 self._apply_seq_stats(result.seq_stats)
                 self._apply_ops(result.ops)
         req.pending_forks = []
-        return self._pop_finished(req)
+        out = self._pop_finished(req)
+        if self.prefix_store is not None and not self.requests:
+            self.prefix_store.flush()  # idle: store what the abort copied out
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -164,6 +164,7 @@ class EnginePrefixStore:
         """Tokens copied out of blocks and not yet stored."""
         return sum(p.kv.shape[1] for p in self._pending)
 
+    @torch.inference_mode()
     def flush(self) -> None:
         """Store what the last steps copied out, oldest first. A copy that no longer covers
         what the insert would read (an earlier insert evicted part of its path) is dropped."""
