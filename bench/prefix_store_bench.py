@@ -119,6 +119,8 @@ def run_one(engine: LLMEngine, ids: list[int], params: SamplingParams) -> dict[s
                 first = time.perf_counter() - t0
             if o.finished:
                 out = o
+        if out is None and engine.last_step_empty:
+            raise RuntimeError("engine has the request but nothing schedulable")
     wall = time.perf_counter() - t0
     after = engine.prefix_store_stats()
     delta = {k: after[k] - before.get(k, 0) for k in after}

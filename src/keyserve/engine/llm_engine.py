@@ -280,8 +280,7 @@ class LLMEngine:
                 self._apply_ops(result.ops)
         req.pending_forks = []
         out = self._pop_finished(req)
-        if self.prefix_store is not None and not self.requests:
-            self.prefix_store.flush()  # idle: store what the abort copied out
+        self._flush_store_if_idle()  # store what the abort copied out
         return out
 
     def has_unfinished_requests(self) -> bool:
@@ -294,9 +293,14 @@ class LLMEngine:
         if self.prefix_store is not None:  # what the last step copied out, before any lookup
             self.prefix_store.flush()
         outputs = self._step()
-        if self.prefix_store is not None and not self.requests:
-            self.prefix_store.flush()  # idle: nobody waits for a token
+        self._flush_store_if_idle()
         return outputs
+
+    def _flush_store_if_idle(self) -> None:
+        """With no request left nobody waits for a token: store what was copied out now
+        rather than at some later step."""
+        if self.prefix_store is not None and not self.requests:
+            self.prefix_store.flush()
 
     def _step(self) -> list[RequestOutput]:
         drafter = self.drafter

@@ -78,7 +78,6 @@ class EnginePrefixStore:
         self._loaded: set[int] = set()  # seq_ids whose blocks came from a load this admission
         self._quiet: set[int] = set()  # seq_ids being undone: do not store them on free
         self._pending: list[_PendingInsert] = []  # copied out, stored at the next flush
-        self.dropped_inserts = 0
         bm.on_free = self.on_free
         core.scheduler.prefix_loader = self  # type: ignore[attr-defined]
         core.prefix_hook = self  # type: ignore[attr-defined]
@@ -171,7 +170,7 @@ class EnginePrefixStore:
         pending, self._pending = self._pending, []
         for p in pending:
             if self.store.first_unstored(p.tokens, p.scores is not None) < p.start:
-                self.dropped_inserts += 1
+                self.store.stats.dropped_inserts += 1
                 continue
             kv, start = p.kv, p.start
             self.store.insert(p.tokens, lambda a, b: kv[:, a - start : b - start], p.scores)
@@ -225,10 +224,9 @@ class EnginePrefixStore:
 
     def _tokens_per_layer_floor(self, seq: Sequence, m: int) -> int | None:
         """Fewest prefix tokens a layer may load (all of them before a longer rest of the
-        prompt). Layers may load different counts only until
-        prompt-phase eviction evens them out at k (decode takes one context length per
-        sequence), so the loaded tokens plus the rest of the sequence must reach k in every
-        layer. With k at least the whole sequence nothing is evicted: None, every layer loads
+        prompt). Layers may load different counts only until prompt-phase eviction evens them
+        out at k (decode takes one context length per sequence), so the loaded tokens plus the
+        rest of the sequence must reach k in every layer. With k at least the whole sequence nothing is evicted: None, every layer loads
         the same count."""
         rest = seq.num_tokens - m
         if rest >= m:

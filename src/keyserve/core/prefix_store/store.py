@@ -81,6 +81,7 @@ class PrefixStoreStats:
     relayout_bytes_read: int = 0  # read to re-layout split nodes (not a request's load)
     load_seconds: float = 0.0  # wall time spent in loads (reads, checks, promotions)
     insert_seconds: float = 0.0  # and in inserts (gathers, repacking, disk writes, placement)
+    dropped_inserts: int = 0  # deferred inserts whose copy no longer covered what they would read
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -318,7 +319,7 @@ class PrefixStore:
             for step in path:
                 if step.node.payload is not None and step.node.payload.scores is None:
                     return step.node.start
-        return sum(step.num_tokens for step in path) if path else 0
+        return sum(step.num_tokens for step in path)
 
     def insert(
         self,
