@@ -3,7 +3,7 @@
 Side by side in one process, interleaved per configuration: keyserve without speculation,
 keyserve with the draft at K = 1..6, and transformers' assisted generation
 (``generate(..., assistant_model=draft)``, a constant K) with the very same draft weights
-(``keyserve.draft.hf.draft_for_transformers``), at temperature 0 and 0.8, batch 1 and batch 8
+(``keyserve.training.hf.draft_for_transformers``), at temperature 0 and 0.8, batch 1 and batch 8
 (transformers' assisted generation takes one sequence at a time, so it has batch-1 rows only).
 Every output is forced to its length (EOS ignored) on both sides.
 
@@ -276,7 +276,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
     import transformers
 
     from keyserve import LLM, SamplingParams
-    from keyserve.draft.hf import draft_for_transformers
+    from keyserve.training.hf import draft_for_transformers
 
     transformers.logging.set_verbosity_error()  # generate() warns about our explicit config
     if args.threads:

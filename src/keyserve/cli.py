@@ -159,7 +159,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_distill_draft(args: argparse.Namespace) -> int:
-    from keyserve.draft.distill import DistillOptions, distill_draft
+    from keyserve.training.distill import DistillOptions, distill_draft
 
     distill_draft(DistillOptions.from_namespace(args))
     return 0

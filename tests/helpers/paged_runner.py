@@ -1,4 +1,4 @@
-"""Drive a model over a paged KV cache without the engine: for parity tests and benchmarks.
+"""Drive a model over a paged KV cache without the engine: the parity tests' oracle runner.
 
 ``PagedRunner`` owns a KV pool whose free list is shuffled, so every sequence's pages are
 non-contiguous and out of order (what a long-running block manager produces), and packs each

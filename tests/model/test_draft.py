@@ -11,14 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.paged_runner import PagedRunner
 from safetensors import safe_open
 
 from keyserve.cli import main as cli_main
-from keyserve.draft.dense import DenseLlama
-from keyserve.draft.distill import DistillOptions, distill_draft, init_layer_ids
-from keyserve.draft.export import export_draft
-from keyserve.draft.generate import GenerationJob, generate_answers
-from keyserve.draft.records import Answer
 from keyserve.model.draft import (
     DRAFT_META_FILE,
     DraftError,
@@ -29,7 +25,13 @@ from keyserve.model.draft import (
 )
 from keyserve.model.llama import LlamaForCausalLM
 from keyserve.model.loader import LoadedModel, load_model
-from keyserve.model.testing import PagedRunner
+from keyserve.training.acceptance import simulate_greedy
+from keyserve.training.dense import DenseLlama
+from keyserve.training.distill import DistillOptions, distill_draft, init_layer_ids
+from keyserve.training.export import export_draft
+from keyserve.training.generate import GenerationJob, generate_answers
+from keyserve.training.records import Answer
+from keyserve.training.teacher_forced import teacher_forced_logits
 
 TINY = ["--gen-tokens", "24", "--vocab", "200", "--batch-tokens", "256",
         "--time-budget-min", "3"]
@@ -98,6 +100,28 @@ def test_full_vocab_logits_are_minus_inf_outside_the_head(distilled: Path, targe
     assert torch.isfinite(logits[:, head]).all()
     probs = torch.softmax(logits, -1)
     assert (probs[:, ~head] == 0).all() and torch.allclose(probs.sum(-1), torch.ones(37))
+
+
+def test_acceptance_tool_logits_equal_the_paged_runner(distilled: Path, target: LoadedModel) -> None:
+    """The acceptance tool's engine-free logits (dense forward, serving LM head) equal the paged
+    model's at every position, for a pruned-head draft (-inf outside the head) and a target."""
+    draft = load_draft(str(distilled), target).model
+    toks = list(range(3, 40))
+    for model in (draft, target.model):
+        ours = teacher_forced_logits(model, toks)
+        ref = PagedRunner(model).teacher_forced({0: toks}, {0: 7})[0]
+        finite = torch.isfinite(ref)
+        assert ours.shape == ref.shape and torch.equal(torch.isfinite(ours), finite)
+        torch.testing.assert_close(ours[finite], ref[finite], atol=1e-4, rtol=1e-4)
+
+
+def test_simulated_greedy_speculation_counts_tokens_per_forward() -> None:
+    # agree = draft argmax == target token at each position of the target's text.
+    # K = 2 over [T, T, T, F, T]: accept 2 (+1 target token) -> pos 3; reject at 3 (+1) -> pos 4;
+    # accept 1 (+1) -> pos 6 >= 5: three forwards for five tokens.
+    assert simulate_greedy([True, True, True, False, True], 2) == pytest.approx(5 / 3)
+    assert simulate_greedy([False] * 4, 3) == 1.0  # every forward yields only its own token
+    assert simulate_greedy([True] * 6, 5) == 6.0  # one forward: five drafts and the bonus
 
 
 def test_exported_draft_equals_the_trained_model(
@@ -218,7 +242,7 @@ def test_transformers_copy_of_the_draft_matches(distilled: Path, target: LoadedM
     (-inf outside the head) and leaves greedy output unchanged."""
     import transformers
 
-    from keyserve.draft.hf import draft_for_transformers
+    from keyserve.training.hf import draft_for_transformers
 
     hf_target = transformers.AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32)
     hf_draft = draft_for_transformers(distilled, hf_target)
@@ -241,7 +265,7 @@ def test_resume_after_interrupted_generation_answers_only_missing_prompts(
 ) -> None:
     """Without a checkpoint, --resume keeps the saved answers and asks the target only for the
     prompts it has not answered (here: 4 more prompts than the first run had)."""
-    from keyserve.draft.records import TeacherData, load_parts
+    from keyserve.training.records import TeacherData, load_parts
 
     _distill(stories_path, tmp_path, "--steps", "2")
     (tmp_path / "checkpoint.pt").unlink()  # as if stopped before training

@@ -7,10 +7,10 @@ import threading
 import pytest
 import torch
 from hf_refs import ours_from_hf, tiny_hf
+from helpers.paged_runner import PagedRunner
 
 from keyserve.model.llama import LlamaForCausalLM
 from keyserve.model.parallel import AllReduce, TPContext, kv_head_range
-from keyserve.model.testing import PagedRunner
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

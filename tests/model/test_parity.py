@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 from hf_refs import hf_logits, ours_from_hf, tiny_hf
+from helpers.paged_runner import PagedRunner
 
 from keyserve.model.loader import load_model
-from keyserve.model.testing import PagedRunner
 
 TOL_FP32 = 1e-4
 DECODE_STEPS = 32

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from helpers.paged_runner import PagedRunner
 
 from keyserve.model import gguf_convert
 from keyserve.model.loader import LoadedModel, load_model
 from keyserve.model.paths import DEFAULT_MODEL_NAME, default_gguf_path
-from keyserve.model.testing import PagedRunner
 
 pytestmark = pytest.mark.slow
 

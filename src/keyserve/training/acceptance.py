@@ -7,7 +7,7 @@ position of that text (one teacher-forced pass) gives the exact accept/reject se
 which tokens per target forward follow for any K. At temperature T the per-token acceptance
 probability is ``sum_x min(p_T(x), q_T(x))``, read at the same positions.
 
-    python -m keyserve.draft.acceptance --draft drafts/SmolLM2-135M-Instruct-draft
+    python -m keyserve.training.acceptance --draft drafts/SmolLM2-135M-Instruct-draft
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from keyserve.draft.dense import DenseLlama
-from keyserve.draft.generate import GenerationJob, generate_answers
-from keyserve.draft.records import Answer
 from keyserve.model.draft import load_draft
 from keyserve.model.loader import LoadedModel, load_model
-from keyserve.model.testing import PagedRunner
+from keyserve.training.dense import DenseLlama
+from keyserve.training.generate import GenerationJob, generate_answers
+from keyserve.training.records import Answer
+from keyserve.training.teacher_forced import teacher_forced_logits
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -96,8 +96,8 @@ def measure(
     for a in sorted(answers, key=lambda a: a.prompt_index):
         seq = a.prompt + a.tokens
         rows = slice(len(a.prompt) - 1, len(seq) - 1)  # positions predicting the answer
-        d_logits = PagedRunner(draft.model).teacher_forced({0: seq}, {0: len(seq)})[0][rows]
-        t_logits = PagedRunner(target.model).teacher_forced({0: seq}, {0: len(seq)})[0][rows]
+        d_logits = teacher_forced_logits(draft.model, seq)[rows]
+        t_logits = teacher_forced_logits(target.model, seq)[rows]
         agree_all.append((d_logits.argmax(-1) == torch.tensor(a.tokens)).tolist())
         for t in temperatures:
             overlaps[t].append(_overlap(d_logits, t_logits, t) * len(a.tokens))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from keyserve.draft.records import TeacherData
+from keyserve.training.records import TeacherData
 
 
 @dataclass

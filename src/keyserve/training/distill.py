@@ -20,17 +20,17 @@ from typing import Any
 
 import torch
 
-from keyserve.draft.dense import DenseLlama
-from keyserve.draft.export import export_draft
-from keyserve.draft.generate import GenerationJob, generate_answers
-from keyserve.draft.prompts import build_prompts, story_prompts
-from keyserve.draft.records import Answer, TeacherData, load_parts
-from keyserve.draft.threads import ThreadTuner
-from keyserve.draft.train import Checkpoint, TrainConfig, TrainResult, train_draft
-from keyserve.draft.vocab import coverage, index_map, select_vocab
 from keyserve.model.draft import DraftMeta, embedding_checksum, tokenizer_fingerprint
 from keyserve.model.loader import LoadedModel, load_model
 from keyserve.model.paths import DEFAULT_MODEL_NAME
+from keyserve.training.dense import DenseLlama
+from keyserve.training.export import export_draft
+from keyserve.training.generate import GenerationJob, generate_answers
+from keyserve.training.prompts import build_prompts, story_prompts
+from keyserve.training.records import Answer, TeacherData, load_parts
+from keyserve.training.threads import ThreadTuner
+from keyserve.training.train import Checkpoint, TrainConfig, TrainResult, train_draft
+from keyserve.training.vocab import coverage, index_map, select_vocab
 
 GITIGNORE = "checkpoint.pt\ncheckpoint.tmp\ndata/\n*.tmp\n"
 # Generation is the bottleneck (one full target forward per recorded token, ~20 tokens/s on 2

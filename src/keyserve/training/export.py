@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from keyserve.draft.dense import DenseLlama
 from keyserve.model.config import ModelConfig
 from keyserve.model.draft import DRAFT_META_FILE, DraftMeta
+from keyserve.training.dense import DenseLlama
 
 WEIGHTS_FILE = "model.safetensors"
 

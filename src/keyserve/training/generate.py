@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from keyserve.draft.dense import DenseKVCache, DenseLlama
-from keyserve.draft.records import Answer
-from keyserve.draft.threads import ThreadTuner
+from keyserve.training.dense import DenseKVCache, DenseLlama
+from keyserve.training.records import Answer
+from keyserve.training.threads import ThreadTuner
 
 
 @dataclass

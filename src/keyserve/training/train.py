@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from keyserve.draft.batches import Batch, distill_loss, make_batch, overlap, plan_batches
-from keyserve.draft.dense import DenseLlama
-from keyserve.draft.records import TeacherData
-from keyserve.draft.threads import ThreadTuner
+from keyserve.training.batches import Batch, distill_loss, make_batch, overlap, plan_batches
+from keyserve.training.dense import DenseLlama
+from keyserve.training.records import TeacherData
+from keyserve.training.threads import ThreadTuner
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from keyserve.draft.records import TeacherData
+from keyserve.training.records import TeacherData
 
 
 def token_mass(data: TeacherData, vocab_size: int) -> torch.Tensor:  # [vocab] float64
