@@ -70,7 +70,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", action="store_true")
     p.add_argument("--kv-policy", default=None,
                    choices=["full", "window", "streaming_llm", "h2o", "keyformer"],
-                   help="KV eviction policy (SPEC §2)")
+                   help="KV eviction policy")
     p.add_argument("--kv-budget", type=float, default=None,
                    help="KV tokens kept per (layer, head): fraction of the prompt if <= 1, else a count")
     p.add_argument("--recent-ratio", type=float, default=0.3, help="share of the budget kept recent")

@@ -53,7 +53,8 @@ class CacheConfig(_Strict):
 
 
 class PrefixStoreConfig(_Strict):
-    """The importance-aware multi-tier prefix KV store (IMPRESS, SPEC §5); off by default.
+    """The importance-aware multi-tier prefix KV store (IMPRESS, docs/algorithms.md §5); off by
+    default.
 
     Flat options (``EngineConfig.from_flat``, ``LLM(...)``) name these ``prefix_store_<field>``,
     and ``prefix_store=True`` turns the store on."""

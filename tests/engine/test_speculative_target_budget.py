@@ -1,4 +1,5 @@
-"""Speculative sampling on a target that runs under a KV budget (SPEC §3, last paragraph).
+"""Speculative sampling on a target that runs under a KV budget (docs/algorithms.md §3, "A target
+under a KV budget").
 
 The K + 1 verified positions go into spare slots and nothing is evicted until the verdict is
 known; then the accepted positions stay (their attention scores counted, the rejected rows'
@@ -76,7 +77,7 @@ def test_budget_covering_the_sequence_equals_the_full_target(target: LLM, specul
 def _allowed_mask(n_prompt: int, total: int, sinks: int, recent: int, seq_id: int,
                   steps: list[list[tuple[int, int, int, bool, int | None]]]) -> torch.Tensor:
     """[total, total] bool: which positions each query position attended when it was computed
-    (as an accepted row), by the rules of SPEC §2/§3 for a score-free policy."""
+    (as an accepted row), by the rules of docs/algorithms.md §2/§3 for a score-free policy."""
     lo = {q: 0 for q in range(n_prompt)}  # prompt rows: causal, no eviction yet
     for step in steps:
         for sid, start, n, verifies, accepted in step:

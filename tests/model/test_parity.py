@@ -1,4 +1,5 @@
-"""Logits of our paged model equal transformers' on the same weights (SPEC §1, issue 2).
+"""Logits of our paged model equal transformers' on the same weights (docs/algorithms.md §1,
+issue 2).
 
 Every case prefills and then decodes 32 tokens one step at a time through a shuffled paged
 cache, and compares the logits at every position with one full causal forward of transformers

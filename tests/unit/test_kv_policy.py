@@ -1,4 +1,4 @@
-"""KV budget policies against a direct, loop-based re-implementation of SPEC §2.
+"""KV budget policies against a direct, loop-based re-implementation of docs/algorithms.md §2.
 
 The reference keeps, per (layer, kv-head), a dict position → accumulated score and applies the
 rules literally (sorting Python tuples); the policy under test is the vectorised slot-based
@@ -41,7 +41,7 @@ POLICIES = ["window", "streaming_llm", "h2o", "keyformer"]
 
 
 def ref_rule(policy: str, k: int, ratio: float) -> tuple[int, int, bool]:
-    """(sinks, recent, by_score) straight from SPEC §2."""
+    """(sinks, recent, by_score) straight from docs/algorithms.md §2."""
     if policy == "window":
         return 0, k, False
     if policy == "streaming_llm":

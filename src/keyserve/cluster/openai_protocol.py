@@ -44,7 +44,7 @@ class _SamplingFields(_Request):
     min_p: float | None = Field(None, description="Drop tokens below min_p * p_max.")
     ignore_eos: bool | None = Field(None, description="Keep generating past the EOS token.")
     stop_token_ids: list[int] | None = Field(None, description="Extra stop token ids.")
-    kv_policy: KVPolicyName | None = Field(None, description="KV eviction policy (SPEC §2).")
+    kv_policy: KVPolicyName | None = Field(None, description="KV eviction policy.")
     kv_budget: float | None = Field(None, description="KV budget: prompt fraction (<=1) or tokens.")
     recent_ratio: float | None = Field(None, description="Share of the KV budget kept recent.")
     speculative: bool | None = Field(None, description="Use the draft model (needs one loaded).")

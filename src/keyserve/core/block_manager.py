@@ -98,8 +98,8 @@ class BlockManager:
 
         ``speculative``: the tokens include drafts to verify. A sequence under a KV budget then
         writes all of them into spare slots past the ones it holds (evictions wait for the
-        verdict, SPEC §3), and the settling that follows may move tokens into any of its
-        blocks, so every held block must be writable."""
+        verdict, docs/algorithms.md §3), and the settling that follows may move tokens into any
+        of its blocks, so every held block must be writable."""
         cached_prefix = cached_prefix or []
         if cached_prefix and seq.block_table:
             raise ValueError("a cached prefix can only be attached to a sequence without blocks")

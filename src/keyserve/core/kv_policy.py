@@ -1,4 +1,5 @@
-"""KV budgets (SPEC §2): which tokens a sequence keeps per (layer, kv-head), and in which slot.
+"""KV budgets (docs/algorithms.md §2): which tokens a sequence keeps per (layer, kv-head), and in
+which slot.
 
 Policies: ``full`` (no eviction), ``window`` (the k most recent; a ring buffer, position p in
 slot p mod k), ``streaming_llm`` (4 sink tokens + the k − 4 most recent), ``h2o`` and

@@ -30,7 +30,7 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")
     logprobs: bool = Field(False, description="Return the log-probability of each chosen token.")
 
-    # KV budgets (SPEC §2).
+    # KV budgets (docs/algorithms.md §2).
     kv_policy: KVPolicyName | None = Field(
         None, description="KV eviction policy; None takes the server-wide default."
     )
@@ -44,7 +44,7 @@ class SamplingParams(BaseModel):
     tau_init: float = Field(1.0, gt=0.0, description="Keyformer's initial Gumbel temperature.")
     tau_end: float = Field(2.0, gt=0.0, description="Keyformer's final Gumbel temperature.")
 
-    # Speculative sampling (SPEC §3).
+    # Speculative sampling (docs/algorithms.md §3).
     speculative: bool | None = Field(
         None, description="Use the draft model; None follows the engine's default."
     )

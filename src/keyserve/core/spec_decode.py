@@ -1,5 +1,5 @@
-"""Speculative sampling (SPEC §3, Chen et al. 2023): the batched rejection sampler, statistics
-and an adaptive choice of K.
+"""Speculative sampling (docs/algorithms.md §3, Chen et al. 2023): the batched rejection
+sampler, statistics and an adaptive choice of K.
 
 Vocabulary (vLLM's): the *draft* model proposes K tokens with probabilities p; the *target*
 scores the K + 1 positions in one forward, giving q; a draft token is *accepted* with

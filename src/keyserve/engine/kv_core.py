@@ -194,8 +194,8 @@ class KVCore:
             seq.num_computed_tokens += up.num_accepted  # the accepted drafts' KV is valid
             if seq.kv_slot_cap is not None:
                 # Under a budget the verified positions sit in spare slots: the model side keeps
-                # the accepted ones and evicts down to the budget (SPEC §3) before the spare
-                # blocks are dropped below.
+                # the accepted ones and evicts down to the budget (docs/algorithms.md §3) before
+                # the spare blocks are dropped below.
                 ops.append(SettleOp(seq.seq_id, list(seq.block_table), seq.num_computed_tokens))
             bm.truncate(seq, seq.kv_slots_for(seq.num_computed_tokens))  # drop rejected slots
             if self.spec is not None and up.num_draft:

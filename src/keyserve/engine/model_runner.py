@@ -5,7 +5,7 @@ This is the only place that turns scheduler decisions into tensors. It consumes 
 is one tensor-parallel shard in a Ray actor -- and knows nothing about requests, stop
 conditions or text. Per-sequence state that must persist across steps lives here: sampling
 parameters and generators (sampling happens here, on the driver rank), and KV-budget states
-(rank-local: each rank holds whole kv-heads, SPEC §2).
+(rank-local: each rank holds whole kv-heads, docs/algorithms.md §2).
 """
 
 from __future__ import annotations
@@ -204,11 +204,12 @@ class ModelRunner:
         """Pack the step's tokens; budgeted sequences get their slots from the KV policy.
 
         Attention runs over ``[decode rows | prefill chunks]``. A budgeted sequence verifying
-        drafts (SPEC §3) writes its K + 1 positions into spare slots past the ones it holds and
-        evicts nothing until the verdict is known; it contributes K + 1 *decode* rows over its
-        one block table, row i attending to the held slots plus the new ones up to its own
-        (causal), so the kernels return its attention scores per row and only the accepted
-        rows' scores are accumulated when it settles (``KVBudgetTracker.settle``)."""
+        drafts (docs/algorithms.md §3) writes its K + 1 positions into spare slots past the
+        ones it holds and evicts nothing until the verdict is known; it contributes K + 1
+        *decode* rows over its one block table, row i attending to the held slots plus the new
+        ones up to its own (causal), so the kernels return its attention scores per row and
+        only the accepted rows' scores are accumulated when it settles
+        (``KVBudgetTracker.settle``)."""
         block = self.block_size
         budget = self.budget
         dev = self.device

@@ -1,4 +1,5 @@
-"""Speculative sampling in the engine step (SPEC §3): how many drafts, propose, verify.
+"""Speculative sampling in the engine step (docs/algorithms.md §3): how many drafts, propose,
+verify.
 
 Per step, every decoding sequence that speculates gets ``K`` draft tokens from the draft worker;
 the target scores all ``K + 1`` positions in the same forward as the rest of the batch;

@@ -10,8 +10,9 @@ head_dim]``. A *slot* is ``block_id * block_size + offset``; a sequence's *logic
 in physical block ``block_table[i // block_size]``. Keys are stored after rotary embedding, so
 attention is order-independent over slots.
 
-Score output (for KV budgets, SPEC §2): per (sequence, kv-head, logical slot) the attention mass
-summed over the query heads of the group (and over the query tokens of a prefill chunk):
+Score output (for KV budgets, docs/algorithms.md §2): per (sequence, kv-head, logical slot)
+the attention mass summed over the query heads of the group (and over the query tokens of a
+prefill chunk):
 ``"softmax"`` gives ``softmax(x)`` (H2O), ``"gumbel"`` gives ``softmax((x + ζ) / τ)`` with
 ``ζ = -log(-log U)`` (Keyformer). ``uniforms`` lets a test fix ``U``.
 """

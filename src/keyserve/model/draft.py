@@ -1,4 +1,4 @@
-"""Loading a draft model for speculative decoding (SPEC §3).
+"""Loading a draft model for speculative decoding (docs/algorithms.md §3).
 
 A draft is either
 

@@ -1,5 +1,6 @@
-"""IMPRESS: an importance-aware multi-tier prefix KV store (SPEC §5). Pure logic plus torch
-tensors and files: no ray, no triton. The engine wires it in ``keyserve.engine.prefix_store``."""
+"""IMPRESS: an importance-aware multi-tier prefix KV store (docs/algorithms.md §5). Pure logic
+plus torch tensors and files: no ray, no triton. The engine wires it in
+``keyserve.engine.prefix_store``."""
 
 from keyserve.core.prefix_store.disk import CorruptChunk, DiskTier
 from keyserve.core.prefix_store.heap import IndexedMinHeap

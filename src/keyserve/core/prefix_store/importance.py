@@ -1,4 +1,4 @@
-"""Which tokens of a stored prefix are important, per layer (IMPRESS, SPEC §5).
+"""Which tokens of a stored prefix are important, per layer (IMPRESS, docs/algorithms.md §5).
 
 The accumulated attention scores of only the first ``num_heads`` (3) kv-heads of each layer
 pick the important tokens: their summed score's top-k. The layer trusts that choice only if

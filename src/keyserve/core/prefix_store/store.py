@@ -1,4 +1,5 @@
-"""The importance-aware multi-tier prefix KV store (IMPRESS, SPEC §5), apart from the engine.
+"""The importance-aware multi-tier prefix KV store (IMPRESS, docs/algorithms.md §5), apart from
+the engine.
 
 A radix tree indexes stored prefixes; each node's KV is kept per layer in chunks, repacked so
 the node's important tokens fill its first chunks. Every chunk lives on disk (a full copy, so
