@@ -12,7 +12,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from keyserve.core.sampling_params import KVPolicyName
+from keyserve.types import KVPolicyName
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 

@@ -6,11 +6,17 @@ allowed range; the engine never sees it.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-KVPolicyName = Literal["full", "window", "streaming_llm", "h2o", "keyformer"]
+from keyserve.types import KVPolicyName
+
+INT64_MAX = 2**63 - 1
+MAX_STOP_STRINGS = 64  # stop strings per request
+MAX_STOP_CHARS = 4096  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class SamplingParams(BaseModel):

@@ -20,6 +20,9 @@ from typing import NamedTuple
 
 import torch
 
+from keyserve.core.sampler import SamplingTensors, processed_probs
+from keyserve.core.sampling_params import SamplingParams
+
 PAD_TOKEN_ID = -1
 
 
@@ -104,6 +107,47 @@ def rejection_sample(
     j = num_accepted[:, None]
     out = torch.where(steps < j, padded, torch.where(steps == j, token[:, None], PAD_TOKEN_ID))
     return RejectionOutput(out, num_accepted)
+
+
+def verify_drafts(
+    logits: list[torch.Tensor],  # per sequence: [1 + num_draft, vocab] raw target logits
+    draft_probs: torch.Tensor,  # [num_seqs, max_draft, vocab] draft distributions p
+    draft_token_ids: list[list[int]],  # per sequence: its num_draft drafts
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[tuple[list[int], list[float] | None, int]]:
+    """Modified rejection sampling for all speculating sequences at once; per sequence the
+    emitted tokens (accepted drafts + the recovered or bonus token), their logprobs when asked,
+    and the number of accepted drafts. Runs where the per-sequence generators live."""
+    b, k_max, vocab = draft_probs.shape
+    num_draft = torch.tensor([len(d) for d in draft_token_ids], dtype=torch.int64)
+    tokens_in = torch.zeros(b, k_max, dtype=torch.int64)
+    for row, drafts in enumerate(draft_token_ids):
+        tokens_in[row, : len(drafts)] = torch.tensor(drafts, dtype=torch.int64)
+    raw = torch.full((b, k_max + 1, vocab), float("-inf"))
+    raw[:, :, 0] = 0.0  # padding rows: a harmless valid distribution
+    for row, seq_logits in enumerate(logits):
+        raw[row, : seq_logits.shape[0]] = seq_logits.to(raw.device)
+    st = SamplingTensors.from_params(params).expand(k_max + 1)
+    target_probs = processed_probs(raw.view(b * (k_max + 1), vocab), st).view(b, k_max + 1, vocab)
+    accept_u = torch.empty(b, max(k_max, 1))
+    draw_u = torch.empty(b, vocab)
+    for row, gen in enumerate(generators):
+        accept_u[row] = torch.rand(accept_u.shape[1], generator=gen)
+        draw_u[row] = torch.rand(vocab, generator=gen)
+    out = rejection_sample(
+        draft_probs.cpu(), target_probs, tokens_in, accept_u[:, :k_max], draw_u, num_draft=num_draft
+    )
+    results = []
+    for row, p in enumerate(params):
+        a = int(out.num_accepted[row])
+        tokens = out.output_token_ids[row, : a + 1].tolist()
+        lps = None
+        if p.logprobs:
+            lp = torch.log_softmax(raw[row, : a + 1], dim=-1)
+            lps = lp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        results.append((tokens, lps, a))
+    return results
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 from keyserve.core.block_manager import BlockCopy
 from keyserve.core.kv_policy import KVPolicy, keyformer_tau
 from keyserve.core.sampler import SamplingTensors, make_generator, sample
+from keyserve.core.spec_decode import verify_drafts
 from keyserve.core.scheduler import StepPlan
 from keyserve.engine.kv_budget import BudgetDefaults, KVBudgetTracker, compact_kv, physical_slots
 from keyserve.engine.step_input import (
@@ -483,8 +484,6 @@ class ModelRunner:
         draft_probs: torch.Tensor | None,  # [num_drafted, max_draft, vocab]
         out: StepOutput,
     ) -> None:
-        from keyserve.engine.speculative import verify_drafts
-
         if draft_probs is None:
             raise RuntimeError("a step with draft tokens needs the draft probabilities")
         results = verify_drafts(
