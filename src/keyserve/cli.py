@@ -9,6 +9,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from keyserve.cluster.help_format import PlainHelpFormatter
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF directory, GGUF file, or default model name")
@@ -191,9 +193,11 @@ def _add_distill_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="keyserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="keyserve", description=__doc__,
+                                     formatter_class=PlainHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text from prompts (in-process engine)")
+    gen = sub.add_parser("generate", help="generate text from prompts (in-process engine)",
+                         formatter_class=PlainHelpFormatter)
     _add_engine_args(gen)
     _add_sampling_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
@@ -209,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
                      help="placement of the tensor-parallel shards")
     gen.set_defaults(func=cmd_generate)
-    distill = sub.add_parser("distill-draft", help="distil a small draft model for speculative decoding")
+    distill = sub.add_parser("distill-draft", help="distil a small draft model for speculative decoding",
+                             formatter_class=PlainHelpFormatter)
     _add_distill_args(distill)
     distill.set_defaults(func=cmd_distill_draft)
     # serve / batch own their flags (generated from ServeArgs): main() hands them the rest.

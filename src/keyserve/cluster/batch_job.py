@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from keyserve.cluster.cli_args import add_model_fields, model_kwargs
+from keyserve.cluster.help_format import PlainHelpFormatter
 from keyserve.config import ServeConfig
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -180,7 +181,7 @@ async def run_batch(serving: Any, input_path: Path, output_path: Path, concurren
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m keyserve.cluster.batch_job", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=PlainHelpFormatter)
     p.add_argument("--input", required=True, type=Path, help="OpenAI batch-format JSONL")
     p.add_argument("--output", required=True, type=Path, help="results JSONL (appended; rerun resumes)")
     p.add_argument("--concurrency", type=int, default=None,

@@ -16,12 +16,13 @@ import sys
 from pydantic import ValidationError
 
 from keyserve.cluster.cli_args import add_model_fields, model_kwargs
+from keyserve.cluster.help_format import PlainHelpFormatter
 from keyserve.cluster.serve_app import ServeArgs
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="keyserve serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=PlainHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--address", default=None,
