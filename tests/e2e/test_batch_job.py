@@ -34,42 +34,75 @@ def test_every_line_gets_one_result_and_errors_stay_on_their_line(tmp_path: Path
                                                                   capsys) -> None:
     lines = [completion(f"ok-{i}", f"Once upon a time {i}") for i in range(12)]
     lines += [
-        "{not json",
-        json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
+        "{not json",  # line 13
+        json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),  # 14
         json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}}),
         completion("streamed", "x", stream=True),
         completion("too-long", [5] * 600),
         completion("bad-field", "x", top_p=3),
         json.dumps({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
                     "body": {"messages": [{"role": "user", "content": "hi"}]}}),
-        completion("ok-0", "a repeated id"),
+        completion("ok-0", "a repeated id"),  # line 20
+        completion("line-13", "an id that is also the key of line 13's report"),  # 21
+        completion("surrogate", "\ud800 alone"),  # 22: a lone surrogate, JSON-escaped
     ]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("\n".join(lines) + "\n\n")  # a blank line is not a request
+    data = ("\n".join(lines) + "\n\n").encode()  # a blank line is not a request
+    latin1 = json.dumps(json.loads(completion("latin-1", "caf\u00e9")), ensure_ascii=False).encode("latin-1")
+    src.write_bytes(data + latin1 + b"\n")  # line 24: not UTF-8
     assert batch_main(["--input", str(src), "--output", str(out), *flags]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["total"] == len(lines) and summary["succeeded"] == 12
-    records = out.read_text().splitlines()
-    assert len(records) == len(lines)
-    by_id: dict[str, list[dict]] = {}
-    for r in map(json.loads, records):
-        by_id.setdefault(r["custom_id"], []).append(r)
-    [dup] = [r for r in by_id["ok-0"] if r["error"] is not None]  # written first or second
-    by_id["ok-0"].remove(dup)
-    assert dup["error"]["code"] == "duplicate_custom_id"
+    assert summary["total"] == len(lines) + 1 and summary["succeeded"] == 13 and summary["unfinished"] == 0
+    by_id = read(out)  # one record per key
+    assert len(by_id) == len(lines) + 1
     for i in range(12):
-        [r] = by_id[f"ok-{i}"]
+        r = by_id[f"ok-{i}"]
         body = r["response"]["body"]
         assert r["response"]["status_code"] == 200 and r["error"] is None
         assert body["object"] == "text_completion" and body["choices"][0]["text"]
         assert r["response"]["request_id"] == body["id"]
-    assert by_id["line-13"][0]["error"]["code"] == "invalid_json"
-    assert by_id["line-14"][0]["error"]["code"] == "missing_custom_id"
-    assert by_id["bad-url"][0]["error"]["code"] == "invalid_url"
-    for cid, param in (("streamed", "stream"), ("too-long", "prompt"), ("bad-field", "top_p"), ("chat", "messages")):
-        response = by_id[cid][0]["response"]
+    # The repeat of ok-0 is reported under its own key; ok-0 itself ran (above).
+    dup = by_id["ok-0#line-20"]
+    assert dup["response"] is None and dup["error"]["code"] == "duplicate_custom_id"
+    assert "line 1" in dup["error"]["message"]
+    # Line 13 has no id and its natural key "line-13" is line 21's custom_id: it gets "#2".
+    assert by_id["line-13#2"]["error"]["code"] == "invalid_json"
+    assert by_id["line-13"]["response"]["status_code"] == 200
+    assert by_id["line-14"]["error"]["code"] == "missing_custom_id"
+    assert by_id["bad-url"]["error"]["code"] == "invalid_url"
+    assert by_id["latin-1"]["error"]["code"] == "invalid_utf8"  # its custom_id is readable
+    for cid, param in (("streamed", "stream"), ("too-long", "prompt"), ("bad-field", "top_p"),
+                       ("chat", "messages"), ("surrogate", "prompt")):
+        response = by_id[cid]["response"]
         assert response["status_code"] == 400 and response["body"]["error"]["param"] == param, cid
-    assert "600" in by_id["too-long"][0]["response"]["body"]["error"]["message"]
+    assert "600" in by_id["too-long"]["response"]["body"]["error"]["message"]
+
+
+def test_a_duplicate_never_shadows_the_line_it_repeats(tmp_path: Path, flags: list[str]) -> None:
+    """A crash after the duplicate's report was written but before the original's: the rerun
+    still runs the original. Also for an output of an older version, which wrote the
+    duplicate's report under the original's id."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(completion("d", "The cat") + "\n" + completion("e", "The dog") + "\n"
+                   + completion("d", "The cat, again") + "\n")
+    assert batch_main(["--input", str(src), "--output", str(out), *flags]) == 0
+    first = read(out)
+    assert set(first) == {"d", "e", "d#line-3"}
+
+    out.write_text(json.dumps(first["e"]) + "\n" + json.dumps(first["d#line-3"]) + "\n")  # "d" lost
+    assert batch_main(["--input", str(src), "--output", str(out), *flags]) == 0
+    again = read(out)
+    assert set(again) == {"d", "e", "d#line-3"}
+    assert again["d"]["response"]["body"]["choices"] == first["d"]["response"]["body"]["choices"]
+    assert again["e"]["id"] == first["e"]["id"] and again["d#line-3"]["id"] == first["d#line-3"]["id"]
+
+    legacy = {**first["d#line-3"], "custom_id": "d"}  # the old format: the error under "d"
+    out.write_text(json.dumps(first["e"]) + "\n" + json.dumps(legacy) + "\n")
+    assert batch_main(["--input", str(src), "--output", str(out), *flags]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    ran = [r for r in records if r["custom_id"] == "d" and r["error"] is None]
+    assert len(ran) == 1 and ran[0]["response"]["body"]["choices"] == first["d"]["response"]["body"]["choices"]
+    assert [r["custom_id"] for r in records].count("d#line-3") == 1
 
 
 def test_rerun_after_a_kill_resumes(tmp_path: Path, flags: list[str]) -> None:
@@ -87,3 +120,30 @@ def test_rerun_after_a_kill_resumes(tmp_path: Path, flags: list[str]) -> None:
         assert again[r["custom_id"]]["id"] == r["id"]
     for cid, r in again.items():  # greedy: the redone lines say what the first run said
         assert r["response"]["body"]["choices"] == first[cid]["response"]["body"]["choices"]
+
+
+def test_a_whole_last_record_without_its_newline_is_kept(tmp_path: Path, flags: list[str]) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(completion(f"w{i}", f"The sun {i}") + "\n" for i in range(4)))
+    assert batch_main(["--input", str(src), "--output", str(out), *flags]) == 0
+    first = read(out)
+    kept = out.read_text().splitlines()[:2]
+    out.write_text(kept[0] + "\n" + kept[1])  # whole, but no newline: e.g. written by hand
+    assert batch_main(["--input", str(src), "--output", str(out), *flags]) == 0
+    again = read(out)
+    assert set(again) == set(first)
+    assert again[json.loads(kept[1])["custom_id"]]["id"] == json.loads(kept[1])["id"]  # not redone
+
+
+def test_a_second_job_on_the_same_output_is_refused(tmp_path: Path, flags: list[str], capsys) -> None:
+    import fcntl
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(completion("a", "x") + "\n")
+    with open(out, "a") as held:  # another job holds the output
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert batch_main(["--input", str(src), "--output", str(out), *flags]) == 2
+    assert "another batch job is writing" in capsys.readouterr().err
+    assert out.read_text() == ""
+    assert batch_main(["--input", str(src), "--output", str(out), *flags]) == 0  # released
+    assert set(read(out)) == {"a"}

@@ -1,16 +1,20 @@
-"""Batch inference over an OpenAI batch-format JSONL file, resumable.
+"""Batch inference over an OpenAI batch-format JSONL file: resumable, and nothing is lost.
 
-    ray job submit -- python -m keyserve.cluster.batch_job --input in.jsonl --output out.jsonl
+    python -m keyserve.cluster.batch_job --input in.jsonl --output out.jsonl
     keyserve batch --input in.jsonl --output out.jsonl --model /path/to/hf --max-num-seqs 32
 
 Each input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
-"/v1/completions", "body": {...}}``; each gets exactly one output line ``{"id", "custom_id",
-"response": {"status_code", "request_id", "body"}, "error"}`` — an error (bad line, bad
-body, prompt too long) is recorded on its line and the job goes on. Lines run concurrently
-through one engine (continuous batching) and are written as they finish, each with one
-``write`` to a file opened for appending, so a killed job leaves whole lines; a rerun skips
-the ids already in the output (a torn last line is dropped and redone). A line without a
-usable ``custom_id`` is reported under ``line-<n>`` (its 1-based line number).
+"/v1/completions", "body": {...}}``; each gets exactly one final output line ``{"id",
+"custom_id", "response": {"status_code", "request_id", "body"}, "error"}``. A permanent
+failure (a bad line, a bad body, a prompt too long: 4xx) is that line's final record. A
+transient one (408, 429, 5xx: the engine busy, a failed step, a timeout) is retried with
+exponential backoff; if it still fails it is left without a record and the job exits 3, so a
+rerun tries it again. A rerun skips lines that have their record, so any number of kills
+(``kill -9`` included) and reruns end with exactly one record per line. A repeated
+``custom_id`` is reported as an error under ``<custom_id>#line-<n>`` and never shadows the
+first line with that id; a line without one under ``line-<n>`` (see ``batch_io``).
+Exit status: 0 every line has its record, 2 bad arguments or the output is in use, 3 some
+lines are left for a rerun.
 """
 
 from __future__ import annotations
@@ -18,78 +22,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from keyserve.cluster.batch_io import DUPLICATE_CODE, InputLine, OutputBusyError, OutputLog, read_input
+from keyserve.cluster.batch_retry import RetryPolicy, is_transient
 from keyserve.cluster.cli_args import add_model_fields, model_kwargs
 from keyserve.cluster.help_format import PlainHelpFormatter
 from keyserve.config import ServeConfig
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _NOT_FOR_BATCH = {"api_key", "retry_after_s", "max_queued_requests", "served_model_name", "request_timeout_s"}
+EXIT_UNFINISHED = 3
 
 
 @dataclass
 class BatchSummary:
-    total: int = 0  # lines in the input
-    skipped: int = 0  # already in the output
-    succeeded: int = 0
-    failed: int = 0
+    total: int = 0  # non-blank lines in the input
+    skipped: int = 0  # already had their record
+    succeeded: int = 0  # recorded with status 200
+    failed: int = 0  # recorded with a permanent error
+    unfinished: int = 0  # no record yet: a transient failure outlasted the retries, or the engine died
+    retries: int = 0  # attempts after a transient failure
     seconds: float = 0.0
-
-
-def line_key(lineno: int, raw: str) -> str:
-    """The custom_id of an input line, or ``line-<n>`` when it has no usable one."""
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError:
-        return f"line-{lineno}"
-    cid = obj.get("custom_id") if isinstance(obj, dict) else None
-    return cid if isinstance(cid, str) and cid else f"line-{lineno}"
-
-
-def completed_ids(output: Path) -> set[str]:
-    """custom_ids already written; truncates a torn (newline-less) last line first."""
-    if not output.exists():
-        return set()
-    data = output.read_bytes()
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        with open(output, "r+b") as f:
-            f.truncate(cut)
-        data = data[:cut]
-    ids = set()
-    for line in data.splitlines():
-        try:
-            cid = json.loads(line).get("custom_id")
-        except (json.JSONDecodeError, AttributeError):
-            continue
-        if isinstance(cid, str):
-            ids.add(cid)
-    return ids
-
-
-class LineWriter:
-    """Appends whole lines: one ``os.write`` per line on an O_APPEND descriptor."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def write(self, record: dict) -> None:
-        data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view):]
-
-    def close(self) -> None:
-        os.fsync(self.fd)
-        os.close(self.fd)
 
 
 def _record(custom_id: str, status: int | None, body: dict | None, error: dict | None) -> dict:
@@ -101,24 +61,52 @@ def _record(custom_id: str, status: int | None, body: dict | None, error: dict |
             "error": error}
 
 
-async def process_line(serving: Any, lineno: int, raw: str) -> dict:
-    """One input line -> its output record; never raises."""
-    from keyserve.cluster.errors import APIError, to_api_error
+def _lone_surrogate_field(obj: Any, field: str | None = None) -> str | None:
+    """The top-level field of a JSON value holding text with a lone UTF-16 surrogate."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return field or "body"
+        return None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        found = _lone_surrogate_field(v, field or (str(k) if isinstance(obj, dict) else None))
+        if found:
+            return found
+    return None
 
-    key = line_key(lineno, raw)
+
+async def process_line(serving: Any, line: InputLine) -> dict:
+    """One input line -> its output record (one attempt); never raises."""
+    from keyserve.cluster.errors import APIError, bad_request, to_api_error
+
+    key, lineno = line.key, line.lineno
+    if line.duplicate_of is not None:
+        return _record(key, None, None, {"code": DUPLICATE_CODE, "message":
+                       f"line {lineno}: custom_id repeats the one of line {line.duplicate_of}; "
+                       f"this line is reported as {key!r} and was not run"})
     try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
+        line.raw.encode("utf-8")
+    except UnicodeEncodeError:
+        return _record(key, None, None, {"code": "invalid_utf8", "message": f"line {lineno}: not UTF-8 text"})
+    try:
+        obj = json.loads(line.raw)
+    except (json.JSONDecodeError, RecursionError) as e:
         return _record(key, None, None, {"code": "invalid_json", "message": f"line {lineno}: {e}"})
-    if not isinstance(obj, dict) or not isinstance(obj.get("custom_id"), str):
+    if not isinstance(obj, dict) or not isinstance(obj.get("custom_id"), str) or not obj["custom_id"]:
         return _record(key, None, None, {"code": "missing_custom_id",
-                                         "message": f"line {lineno}: needs a string custom_id"})
+                                         "message": f"line {lineno}: needs a non-empty string custom_id"})
     url, method, body = obj.get("url"), obj.get("method", "POST"), obj.get("body")
     if url not in URLS or str(method).upper() != "POST":
         return _record(key, None, None, {"code": "invalid_url", "message":
                        f"line {lineno}: url must be POST {' or '.join(URLS)}, got {method} {url}"})
     if isinstance(body, dict) and body.get("stream"):
         err = APIError(400, "stream is not supported in batch jobs", param="stream")
+        return _record(key, err.status, err.body(), None)
+    field = _lone_surrogate_field(body)
+    if field is not None:
+        err = bad_request(f"{field}: text contains a lone UTF-16 surrogate", field)
         return _record(key, err.status, err.body(), None)
     try:
         response = await serving.handle(URLS[url], body)
@@ -130,51 +118,85 @@ async def process_line(serving: Any, lineno: int, raw: str) -> dict:
         return _record(key, err.status, err.body(), None)
 
 
-async def run_batch(serving: Any, input_path: Path, output_path: Path, concurrency: int,
-                    progress: bool = True) -> BatchSummary:
-    """Process every input line not yet in the output, ``concurrency`` at a time."""
+def _engine_alive(serving: Any) -> bool:
+    return bool(getattr(serving.engine, "is_alive", True))
+
+
+def _describe(record: dict) -> str:
+    response = record["response"]
+    error = (response.get("body") or {}).get("error") or {}
+    return f"{response['status_code']} {error.get('code') or ''}: {error.get('message', '')[:200]}"
+
+
+async def settle(serving: Any, line: InputLine, policy: RetryPolicy, summary: BatchSummary,
+                 stopping: asyncio.Event) -> dict | None:
+    """The line's final record, or None when it must be left for a rerun (a transient
+    failure outlasted ``policy``, or the engine is gone)."""
+    for attempt in range(1, policy.max_attempts + 1):
+        record = await process_line(serving, line)
+        if not is_transient(record):
+            return record
+        if not _engine_alive(serving):
+            stopping.set()
+            print(f"batch: line {line.lineno} ({line.key!r}): the engine is gone "
+                  f"({_describe(record)}); stopping, a rerun resumes", file=sys.stderr)
+            return None
+        if attempt == policy.max_attempts or stopping.is_set():
+            print(f"batch: line {line.lineno} ({line.key!r}): {_describe(record)} "
+                  f"after {attempt} attempt(s); left for a rerun", file=sys.stderr)
+            return None
+        summary.retries += 1
+        await asyncio.sleep(policy.delay(attempt))
+    return None
+
+
+async def run_batch(serving: Any, input_path: Path, output: Path | OutputLog, concurrency: int,
+                    progress: bool = True, policy: RetryPolicy = RetryPolicy()) -> BatchSummary:
+    """Run every input line that has no final record in the output, ``concurrency`` at a time
+    (``output``: a path, or an ``OutputLog`` the caller opened and closes)."""
     from tqdm.auto import tqdm
 
     start = time.monotonic()
-    done = completed_ids(output_path)
-    with open(input_path, encoding="utf-8") as f:
-        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
-    todo = [(i, line) for i, line in lines if line_key(i, line) not in done]
-    summary = BatchSummary(total=len(lines), skipped=len(lines) - len(todo))
-    writer = LineWriter(output_path)
-    bar = tqdm(total=len(lines), initial=summary.skipped, desc="batch", unit="req",
-               disable=not progress, mininterval=1.0, file=sys.stderr)
-    seen: set[str] = set()
-    slots = asyncio.Semaphore(concurrency)
+    lines = read_input(input_path)
+    with (OutputLog(output) if isinstance(output, Path) else nullcontext(output)) as log:
+        if log.unreadable:
+            print(f"batch: {log.path}: {log.unreadable} line(s) are not records; ignored",
+                  file=sys.stderr)
+        todo = [line for line in lines if not log.has(line)]
+        summary = BatchSummary(total=len(lines), skipped=len(lines) - len(todo))
+        bar = tqdm(total=len(lines), initial=summary.skipped, desc="batch", unit="req",
+                   disable=not progress, mininterval=1.0, file=sys.stderr)
+        slots = asyncio.Semaphore(concurrency)
+        stopping = asyncio.Event()
 
-    async def one(lineno: int, raw: str) -> None:
+        async def one(line: InputLine) -> None:
+            try:
+                record = await settle(serving, line, policy, summary, stopping)
+                if record is None:
+                    summary.unfinished += 1
+                    return
+                log.append(record)
+                ok = record["error"] is None and record["response"]["status_code"] == 200
+                summary.succeeded += ok
+                summary.failed += not ok
+                bar.update(1)
+            finally:
+                slots.release()
+
+        tasks: set[asyncio.Task] = set()
         try:
-            key = line_key(lineno, raw)
-            if key in seen:  # a repeated custom_id: recorded as an error on its own line
-                record = _record(key, None, None, {"code": "duplicate_custom_id",
-                                                   "message": f"line {lineno}: custom_id {key!r} repeats"})
-            else:
-                seen.add(key)
-                record = await process_line(serving, lineno, raw)
-            writer.write(record)
-            ok = record["error"] is None and record["response"]["status_code"] == 200
-            summary.succeeded += ok
-            summary.failed += not ok
-            bar.update(1)
+            for i, line in enumerate(todo):
+                await slots.acquire()
+                if stopping.is_set():
+                    slots.release()
+                    summary.unfinished += len(todo) - i
+                    break
+                task = asyncio.create_task(one(line))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            await asyncio.gather(*tasks)
         finally:
-            slots.release()
-
-    tasks: set[asyncio.Task] = set()
-    try:
-        for lineno, raw in todo:
-            await slots.acquire()
-            task = asyncio.create_task(one(lineno, raw))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        await asyncio.gather(*tasks)
-    finally:
-        bar.close()
-        writer.close()
+            bar.close()
     summary.seconds = time.monotonic() - start
     return summary
 
@@ -186,24 +208,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, type=Path, help="results JSONL (appended; rerun resumes)")
     p.add_argument("--concurrency", type=int, default=None,
                    help="requests in flight (default: 2 x max_num_seqs)")
-    p.add_argument("--timeout-s", type=float, default=None, help="per-request limit (default: none)")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="per-request limit; a timeout is transient (retried) (default: none)")
+    p.add_argument("--max-attempts", type=int, default=RetryPolicy.max_attempts,
+                   help="tries per line per run for transient failures (default: %(default)s)")
+    p.add_argument("--retry-backoff-s", type=float, default=RetryPolicy.backoff_s,
+                   help="wait before the 2nd try; doubles per try, capped at "
+                        f"{RetryPolicy.max_backoff_s:g} s (default: %(default)s)")
+    p.add_argument("--no-fsync", action="store_true",
+                   help="do not fdatasync each record (a kill -9 still loses nothing; a power cut may)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_fields(p, ServeConfig, exclude=_NOT_FOR_BATCH)
     return p
 
 
-async def _main(args: argparse.Namespace) -> BatchSummary:
+async def _main(args: argparse.Namespace, policy: RetryPolicy) -> BatchSummary:
     from keyserve.cluster.openai_serving import OpenAIServing
 
     kwargs = model_kwargs(args, ServeConfig)
     concurrency = args.concurrency or 2 * (kwargs.get("max_num_seqs") or 64)
     config = ServeConfig(**kwargs, max_queued_requests=concurrency, request_timeout_s=args.timeout_s)
-    serving = OpenAIServing.from_config(config)
-    try:
-        await serving.engine.wait_ready()
-        return await run_batch(serving, args.input, args.output, concurrency, not args.no_progress)
-    finally:
-        serving.engine.shutdown()
+    with OutputLog(args.output, durable=not args.no_fsync) as log:  # locked before the model loads
+        serving = OpenAIServing.from_config(config)
+        try:
+            await serving.engine.wait_ready()
+            return await run_batch(serving, args.input, log, concurrency, not args.no_progress, policy)
+        finally:
+            serving.engine.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,11 +245,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch: input {args.input} does not exist", file=sys.stderr)
         return 2
     try:
-        summary = asyncio.run(_main(args))
-    except (ValidationError, ValueError, FileNotFoundError) as e:
+        policy = RetryPolicy(max_attempts=args.max_attempts, backoff_s=args.retry_backoff_s,
+                             max_backoff_s=max(RetryPolicy.max_backoff_s, args.retry_backoff_s))
+        summary = asyncio.run(_main(args, policy))
+    except (ValidationError, ValueError, FileNotFoundError, OutputBusyError) as e:
         print(f"batch: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"input": str(args.input), "output": str(args.output), **summary.__dict__}), flush=True)
+    if summary.unfinished:
+        print(f"batch: {summary.unfinished} line(s) have no record yet (transient failures); "
+              "run the same command again to retry them", file=sys.stderr)
+        return EXIT_UNFINISHED
     return 0
 
 
