@@ -1,8 +1,9 @@
 """``AsyncLLMEngine``: the in-process engine behind an asyncio interface.
 
 The ``LLMEngine`` is not thread-safe, so one background thread owns it: it loads the model,
-runs every engine call that callers submit (add, abort, chat templates) between steps, and
-calls ``step()`` whenever there is work. One step serves the whole batch; its outputs cross
+runs every engine call that callers submit (add, abort) between steps, and calls ``step()``
+whenever there is work. Prompts are tokenised (chat templates applied) and length-checked on
+a small tokenizer pool before they reach that thread, so a huge prompt stalls no stream. One step serves the whole batch; its outputs cross
 to the event loop in one ``call_soon_threadsafe`` per step, not per token or per request.
 Callers ``await add_request(...)`` (which raises the engine's validation errors) and then
 iterate the returned stream of ``RequestOutput`` snapshots; the last one is finished.
@@ -31,6 +32,8 @@ from keyserve.engine.outputs import RequestOutput
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# Threads that tokenise prompts and apply chat templates (never the engine thread).
+TOKENIZER_THREADS = 2
 # Consecutive failing steps after which the engine is declared dead (health turns 503).
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
@@ -134,6 +137,7 @@ class AsyncLLMEngine:
         self._counters = _Counters()
         self._stats = EngineStats()
         self._num_active = 0  # admitted and not yet finished (loop thread only)
+        self._tokenizer_pool: cf.ThreadPoolExecutor | None = None  # made on first use
         self._thread = threading.Thread(target=self._run, name="keyserve-engine", daemon=True)
         if start:
             self.start()
@@ -179,6 +183,8 @@ class AsyncLLMEngine:
         """Stop the engine thread; requests still in flight fail with EngineDeadError."""
         self._stopping = True
         self._wake.set()
+        if self._tokenizer_pool is not None:
+            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -190,6 +196,10 @@ class AsyncLLMEngine:
     @property
     def tokenizer(self) -> Any:
         return self._require_engine().tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self._require_engine().vocab_size
 
     @property
     def max_num_seqs(self) -> int:
@@ -242,9 +252,9 @@ class AsyncLLMEngine:
         state = _RequestState(rid, loop, None if timeout_s is None else loop.time() + timeout_s)
         self._states[rid] = state
         self._num_active += 1
-        add = _AddCommand(self, rid, loop, prompt, params, chat, messages, prompt_token_ids)
         try:
-            await self._call(add)
+            ids = await self._prompt_ids(prompt, chat, messages, prompt_token_ids)
+            await self._call(_AddCommand(self, rid, loop, prompt, params, ids))
         except asyncio.CancelledError:
             self._close(state)
             # The engine thread may add it after all; commands run in order, so this follows.
@@ -280,7 +290,48 @@ class AsyncLLMEngine:
         await self._call(lambda: self._abort_now(request_id))
 
     async def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        return await self._call(lambda: self.engine.apply_chat_template(messages))
+        return await self._tokenize(self._require_engine().apply_chat_template, messages)
+
+    async def _prompt_ids(self, prompt: str | list[int] | None, chat: bool,
+                          messages: list[dict[str, Any]] | None,
+                          prompt_token_ids: list[int] | None) -> list[int]:
+        """The prompt's token ids, tokenised (chat template included) on the tokenizer pool and
+        checked against the context here: a multi-megabyte prompt costs the engine thread,
+        and so every other request's step, nothing."""
+        engine = self._require_engine()
+        if messages is not None:
+            ids = await self._tokenize(engine.apply_chat_template, messages)
+        elif prompt_token_ids is not None:
+            ids = list(prompt_token_ids)
+        elif isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("prompt is empty")
+            ids = await self._tokenize(engine.encode_prompt, prompt, chat)
+        elif prompt is not None:
+            ids = list(prompt)
+        else:
+            raise ValueError("give a prompt, prompt token ids or chat messages")
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        if len(ids) >= engine.max_model_len:
+            from keyserve.engine.llm_engine import PromptTooLongError
+
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens but the model's context is "
+                f"{engine.max_model_len} tokens (at least one must remain for generation)"
+            )
+        vocab = engine.vocab_size
+        if not all(0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        return ids
+
+    async def _tokenize(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+        """Run a tokenizer call on the tokenizer threads (the engine thread only steps)."""
+        if self._tokenizer_pool is None:
+            self._tokenizer_pool = cf.ThreadPoolExecutor(
+                max_workers=TOKENIZER_THREADS, thread_name_prefix="keyserve-tokenizer"
+            )
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     async def _stream(self, state: _RequestState) -> AsyncIterator[RequestOutput]:
         try:
@@ -561,30 +612,16 @@ class RequestStream:
 
 
 class _AddCommand:
-    """Runs on the engine thread: tokenise, check the request fits the pool, add it."""
+    """Runs on the engine thread: check the (already tokenised) request fits the pool, add it."""
 
     def __init__(self, owner: AsyncLLMEngine, rid: str, loop: asyncio.AbstractEventLoop,
-                 prompt: str | list[int] | None, params: SamplingParams, chat: bool,
-                 messages: list[dict[str, Any]] | None, prompt_token_ids: list[int] | None) -> None:
+                 prompt: str | list[int] | None, params: SamplingParams, ids: list[int]) -> None:
         self.owner, self.rid, self.loop = owner, rid, loop
-        self.prompt, self.params, self.chat = prompt, params, chat
-        self.messages, self.prompt_token_ids = messages, prompt_token_ids
+        self.prompt, self.params, self.ids = prompt, params, ids
 
     def __call__(self) -> None:
         engine = self.owner.engine
-        prompt = self.prompt
-        if self.messages is not None:
-            ids = engine.apply_chat_template(self.messages)
-        elif self.prompt_token_ids is not None:
-            ids = list(self.prompt_token_ids)
-        elif isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError("prompt is empty")
-            ids = engine.encode_prompt(prompt, self.chat)
-        elif prompt is not None:
-            ids = list(prompt)
-        else:
-            raise ValueError("give a prompt, prompt token ids or chat messages")
+        prompt, ids = self.prompt, self.ids
         bm = engine.block_manager
         needed = math.ceil((len(ids) + 1) / bm.block_size) + self.params.n - 1
         if 0 < len(ids) < engine.max_model_len and needed > bm.num_blocks:
