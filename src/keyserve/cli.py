@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from keyserve.cluster.help_format import PlainHelpFormatter
+from keyserve.core.sampling_params import SamplingParams
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -80,8 +81,6 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_params(args: argparse.Namespace):
-    from keyserve.core.sampling_params import SamplingParams
-
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -116,15 +115,13 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from keyserve.llm import LLM
+    from keyserve.llm import LLM, RayLLM  # torch only once a command needs the engine
 
     params = _sampling_params(args)
     prompts = _read_prompts(args)
     options = _engine_options(args)
     if args.tp > 1 or args.address is not None:  # the Ray cluster: shards, draft, KV manager
         import ray
-
-        from keyserve.actors.engine import RayLLM
 
         started = not ray.is_initialized()
         try:

@@ -1,7 +1,9 @@
-"""``keyserve.LLM``: generate text from Python in one call."""
+"""``keyserve.LLM``: generate text from Python in one call (``RayLLM``: the same on a Ray
+cluster). A facade over the engine, above every layer but the command line."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -9,6 +11,7 @@ from tqdm.auto import tqdm
 
 from keyserve.config import EngineConfig
 from keyserve.core.sampling_params import SamplingParams
+from keyserve.engine.errors import PromptTooLongError
 from keyserve.engine.llm_engine import LLMEngine
 from keyserve.engine.outputs import RequestOutput
 
@@ -55,8 +58,6 @@ class LLM:
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
             if len(ids) >= engine.max_model_len:
-                from keyserve.engine.llm_engine import PromptTooLongError
-
                 raise PromptTooLongError(
                     f"prompt {i} has {len(ids)} tokens but the model's context is "
                     f"{engine.max_model_len} tokens (at least one must remain for generation)"
@@ -90,3 +91,43 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         token_lists = [self.engine.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
         return self.generate(token_lists, sampling_params)
+
+
+class RayLLM(LLM):
+    """``keyserve.LLM`` on a Ray cluster (a local one is started if none is running).
+
+    >>> llm = RayLLM("/path/to/model", tensor_parallel_size=2, draft="/path/to/draft")
+    >>> [out] = llm.generate("Once upon a time", SamplingParams(max_tokens=32))
+    """
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **options: Any) -> None:
+        if config is None:
+            config = EngineConfig.from_flat(model=model, **options)
+        elif model is not None or options:
+            raise ValueError("pass either config= or model/options, not both")
+        from keyserve.actors.engine import RayEngine  # Ray only for this class, not for LLM
+
+        self.engine = RayEngine(config)
+
+    def stream(
+        self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Every request's snapshot as soon as a step accepted tokens for it (last one finished)."""
+        engine = self.engine
+        ids = [engine.add_request(p, sampling_params, prompt_token_ids=p if isinstance(p, list) else None)
+               for p in prompts]
+        try:
+            while engine.has_unfinished_requests():
+                yield from engine.step()
+        finally:
+            for rid in ids:
+                engine.abort(rid)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "RayLLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -13,7 +13,8 @@ import pytest
 import ray
 
 from keyserve import LLM, SamplingParams
-from keyserve.actors.engine import RayEngine, RayLLM
+from keyserve.actors.engine import RayEngine
+from keyserve.llm import RayLLM
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

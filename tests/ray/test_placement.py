@@ -9,7 +9,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from keyserve import LLM, SamplingParams
-from keyserve.actors.engine import RayLLM
+from keyserve.llm import RayLLM
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from keyserve import LLM, SamplingParams
-from keyserve.actors.engine import RayLLM
+from keyserve.llm import RayLLM
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -11,18 +11,16 @@ placed on another node than the target group (``ParallelConfig.draft_resources``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import ray
 import torch
 
 from keyserve.actors.common import ACTOR_LOST, new_incarnation
 from keyserve.config import ParallelConfig
-from keyserve.core.block_manager import BlockManager
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import Sequence
-from keyserve.engine.draft_worker import DraftBudget, DraftWorker, Proposal
-from keyserve.engine.model_runner import ModelRunner
+from keyserve.engine import build
+from keyserve.engine.draft_worker import DraftBudget, Proposal
 
 
 @dataclass
@@ -62,48 +60,17 @@ class DraftTokens:
     resync: bool = False  # the actor restarted: nothing proposed, send full tokens again
 
 
-def _target_stub(target_dir: str, dtype: torch.dtype, device: torch.device) -> SimpleNamespace:
-    """What ``load_draft`` reads from the target -- config, tokenizer, input embeddings --
-    without loading the whole target on the draft's node."""
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    from keyserve.model.config import ModelConfig
-    from keyserve.model.weights import iter_safetensors
-
-    path = Path(target_dir)
-    embed = next(t for name, t in iter_safetensors(path) if name == "model.embed_tokens.weight")
-    weight = embed.to(device, dtype)
-    return SimpleNamespace(
-        model=SimpleNamespace(model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight)), dtype=dtype),
-        config=ModelConfig.from_file(path / "config.json"),
-        tokenizer=AutoTokenizer.from_pretrained(str(path)),
-        path=path,
-        generation_config={},
-    )
-
-
 class DraftActor:
     """Applied ``ray.remote`` by ``RemoteDrafter``."""
 
     def __init__(self, spec: DraftSpec) -> None:
-        from keyserve.engine.llm_engine import _DTYPES, resolve_device
-        from keyserve.model.draft import load_draft
-        from keyserve.model.kv_cache import allocate_kv_cache
-
         torch.manual_seed(spec.seed)
-        device = resolve_device(spec.device)
-        dtype = _DTYPES[spec.dtype]
-        draft = load_draft(spec.draft, _target_stub(spec.target_dir, dtype, device), dtype=dtype, device=device)
-        kv = allocate_kv_cache(draft.config, spec.num_blocks, spec.block_size, dtype, device)
-        runner = ModelRunner(
-            draft.model, kv, spec.block_size, draft.config.sliding_window, device,
-            num_layers=draft.config.num_hidden_layers, num_kv_heads=kv[0][0].shape[2],
+        device = build.resolve_device(spec.device)
+        dtype = build.resolve_dtype(spec.dtype, device.type)
+        target = build.draft_target(spec.target_dir, dtype, device)
+        self.worker, self.weight_bytes = build.build_drafter(
+            spec.draft, spec.budget, target, spec.num_blocks, spec.block_size, dtype, device
         )
-        self.worker = DraftWorker(runner, BlockManager(spec.num_blocks, spec.block_size, True),
-                                  draft.config.vocab_size, spec.budget)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in draft.model.parameters())
         self.targets: dict[int, Sequence] = {}
         self.incarnation = new_incarnation()
 

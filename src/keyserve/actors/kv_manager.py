@@ -16,24 +16,11 @@ from typing import Any
 import ray
 
 from keyserve.actors.common import ACTOR_LOST, CoreLost, new_incarnation
-from keyserve.config import ParallelConfig, SpecConfig
-from keyserve.core.scheduler import SchedulerConfig
+from keyserve.config import ParallelConfig
 from keyserve.core.sequence import FinishReason, Sequence
-from keyserve.engine.kv_budget import BudgetDefaults
-from keyserve.engine.kv_core import CommitResult, KVCore, ScheduleResult, SeqStat, SeqUpdate
+from keyserve.engine.build import KVCoreArgs, build_core
+from keyserve.engine.kv_core import CommitResult, ScheduleResult, SeqStat, SeqUpdate
 from keyserve.engine.step_input import RunnerOp, StepInput
-
-
-@dataclass
-class CoreSpec:
-    num_blocks: int
-    block_size: int
-    enable_prefix_caching: bool
-    scheduler: SchedulerConfig
-    budget_defaults: BudgetDefaults
-    max_model_len: int
-    spec: SpecConfig | None  # set when a draft is configured (lookahead, adaptive K)
-    draft_cost_ratio: float = 1.0
 
 
 @dataclass
@@ -74,14 +61,8 @@ Command = tuple  # ("add", seqs, pending, forced) | ("finish", seq_id, reason) |
 class KVManagerActor:
     """Applied ``ray.remote`` by ``RemoteCore``."""
 
-    def __init__(self, spec: CoreSpec) -> None:
-        decoder = None
-        if spec.spec is not None:
-            from keyserve.engine.speculative import SpeculativeDecoder
-
-            decoder = SpeculativeDecoder(None, spec.spec, spec.draft_cost_ratio)
-        self.core = KVCore(spec.num_blocks, spec.block_size, spec.enable_prefix_caching, spec.scheduler,
-                           spec.budget_defaults, spec.max_model_len, decoder)
+    def __init__(self, args: KVCoreArgs) -> None:
+        self.core = build_core(args)
         self.ops: list[RunnerOp] = []  # for the model side, sent with the next StepInput
         self.incarnation = new_incarnation()
 
@@ -147,12 +128,12 @@ class RemoteCore:
     """``KVCore``'s interface for the engine, over the actor: ``add``, ``finish`` and ``commit``
     are queued; ``schedule`` sends them with the request for the next step (one round trip)."""
 
-    def __init__(self, spec: CoreSpec, parallel: ParallelConfig) -> None:
-        self.spec, self.parallel = spec, parallel
+    def __init__(self, args: KVCoreArgs, parallel: ParallelConfig) -> None:
+        self.args, self.parallel = args, parallel
         self.actor = self._create()
         self.incarnation: str | None = ray.get(self.actor.ready.remote())
         self.commands: list[Command] = []
-        self.view = CoreView(num_blocks=spec.num_blocks, num_free_blocks=spec.num_blocks)
+        self.view = CoreView(num_blocks=args.num_blocks, num_free_blocks=args.num_blocks)
         self.num_losses = 0
 
     def _create(self):
@@ -160,7 +141,7 @@ class RemoteCore:
         return ray.remote(KVManagerActor).options(
             num_cpus=p.kv_manager_num_cpus, resources=dict(p.kv_manager_resources),
             max_restarts=p.max_restarts,
-        ).remote(self.spec)
+        ).remote(self.args)
 
     # ------------------------------------------------------ KVCore interface
     def add(self, seqs: list[Sequence], pending: list[Sequence] | None = None, forced: list[int] | None = None) -> None:
@@ -234,7 +215,7 @@ class _SchedulerView:
 
     def __init__(self, core: RemoteCore) -> None:
         self._core = core
-        self.config = core.spec.scheduler
+        self.config = core.args.scheduler
 
     @property
     def running(self) -> list[SeqView]:
@@ -258,7 +239,7 @@ class _BlockManagerView:
 
     def __init__(self, core: RemoteCore) -> None:
         self._core = core
-        self.block_size = core.spec.block_size
+        self.block_size = core.args.block_size
 
     def __getattr__(self, name: str) -> Any:
         if name in ("num_blocks", "num_free_blocks", "prefix_queries", "prefix_hits"):

@@ -1,4 +1,5 @@
-"""One tensor-parallel shard of the target model: a thin Ray actor around a ``ModelRunner``.
+"""One tensor-parallel shard of the target model: a thin Ray actor around a ``ModelRunner``
+(built by ``engine.build`` for this rank of the group).
 
 It joins the group's ``torch.distributed`` process group (gloo on CPU, NCCL with CUDA) at a TCP
 address rank 0 picked, loads only its shard of the weights (Megatron layers slice the full
@@ -10,22 +11,19 @@ returns; the other ranks return an empty ``StepOutput``.
 
 from __future__ import annotations
 
-import math
 import os
 import socket
-from pathlib import Path
 from dataclasses import dataclass
 from datetime import timedelta
 
+import ray
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from keyserve.engine import build
 from keyserve.engine.model_runner import ModelRunner
 from keyserve.engine.step_input import StepInput, StepOutput
 from keyserve.model.config import ModelConfig
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -60,34 +58,6 @@ def check_tp_fits(config: ModelConfig, tp: int, name: str = "the model") -> None
         )
 
 
-class VocabParallelHead:
-    """Logits from this rank's rows of the LM head, gathered onto rank 0 (None elsewhere)."""
-
-    def __init__(self, weight: torch.Tensor, rank: int, size: int) -> None:  # weight [vocab, hidden]
-        self.vocab = weight.shape[0]
-        self.rank, self.size = rank, size
-        self.per_rank = math.ceil(self.vocab / size)
-        start = min(self.vocab, rank * self.per_rank)
-        self.weight = weight[start : min(self.vocab, start + self.per_rank)]
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [n, hidden] -> [n, vocab]
-        local = F.linear(hidden, self.weight).float()
-        if local.shape[1] < self.per_rank:  # the last slice of a vocab that does not divide
-            local = F.pad(local, (0, self.per_rank - local.shape[1]))
-        local = local.contiguous()
-        if self.rank != 0:
-            dist.gather(local, dst=0)
-            return None
-        parts = [torch.empty_like(local) for _ in range(self.size)]
-        dist.gather(local, parts, dst=0)
-        return torch.cat(parts, dim=1)[:, : self.vocab]
-
-
-def _all_reduce(x: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(x)
-    return x
-
-
 class TPWorker:
     """Applied ``ray.remote`` by the target group (with its placement-group options)."""
 
@@ -99,8 +69,6 @@ class TPWorker:
 
     def master_address(self) -> tuple[str, int]:
         """Rank 0 picks the process group's TCP store address (a free port on its node)."""
-        import ray
-
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
@@ -108,40 +76,19 @@ class TPWorker:
 
     def setup(self, host: str, port: int) -> int:
         """Join the group, load this shard, allocate its KV; returns the shard's weight bytes."""
-        from keyserve.engine.llm_engine import resolve_device
-        from keyserve.model.kv_cache import allocate_kv_cache
-        from keyserve.model.llama import LlamaForCausalLM
-        from keyserve.model.weights import iter_safetensors
-
         spec, rank, size = self.spec, self.rank, self.world_size
         torch.manual_seed(spec.seed)  # the global RNG (unseeded sampling, Keyformer's noise)
-        device = resolve_device(spec.device)
+        device = build.resolve_device(spec.device)
+        dtype = build.resolve_dtype(spec.dtype, device.type)
         backend = spec.backend if spec.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
         if size > 1:
             dist.init_process_group(
                 backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size,
                 timeout=timedelta(seconds=spec.timeout_s),
             )
-        dtype = _DTYPES[spec.dtype]
-        # The weights only (what load_model does minus the tokenizer: a shard never detokenizes,
-        # and importing transformers would double its start-up time).
-        arch = ModelConfig.from_file(f"{spec.model_dir}/config.json")
-        model = LlamaForCausalLM(arch, dtype, device, rank, size, _all_reduce if size > 1 else None)
-        model.load_weights(iter_safetensors(Path(spec.model_dir)))
-        model.eval()
-        kv = allocate_kv_cache(arch, spec.num_blocks, spec.block_size, dtype, device, rank, size)
-        head = None
-        if size > 1:
-            head = VocabParallelHead(model.lm_head_weight, rank, size)
-            if not arch.tie_word_embeddings:  # keep only this rank's rows of an untied head
-                model.lm_head_weight = torch.nn.Parameter(head.weight.clone(), requires_grad=False)
-                head.weight = model.lm_head_weight
-        self.runner = ModelRunner(
-            model, kv, spec.block_size, arch.sliding_window, device,
-            num_layers=arch.num_hidden_layers, num_kv_heads=kv[0][0].shape[2],
-            logits_fn=head, is_driver=rank == 0,
-        )
-        return sum(p.numel() * p.element_size() for p in model.parameters())
+        model = build.load_target(spec.model_dir, dtype, device, rank, size)
+        self.runner = build.build_runner(model, spec.num_blocks, spec.block_size, dtype, device, rank, size)
+        return build.weight_bytes(self.runner.model)
 
     def execute(
         self,
@@ -155,6 +102,4 @@ class TPWorker:
         return True
 
     def node_id(self) -> str:
-        import ray
-
         return ray.get_runtime_context().get_node_id()

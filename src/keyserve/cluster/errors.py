@@ -17,6 +17,7 @@ from keyserve.engine.async_engine import (
     QueueFullError,
     RequestTimeoutError,
 )
+from keyserve.engine.errors import InvalidParamError, PromptTooLongError
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,6 @@ def from_validation_error(err: ValidationError, rename: dict[str, str] | None = 
 def to_api_error(exc: BaseException, prompt_param: str = "prompt",
                  retry_after_s: int = 1, rename: dict[str, str] | None = None) -> APIError:
     """Map an exception from validation or the engine to its APIError."""
-    from keyserve.engine.llm_engine import InvalidParamError, PromptTooLongError
-
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ValidationError):

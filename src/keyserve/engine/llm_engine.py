@@ -18,30 +18,18 @@ from typing import Any
 import torch
 
 from keyserve.config import EngineConfig
-from keyserve.core.block_manager import BlockManager
 from keyserve.core.sampling_params import SamplingParams
-from keyserve.core.scheduler import SchedulerConfig
 from keyserve.core.sequence import FinishReason, Sequence, SequenceStatus
+from keyserve.engine.build import EngineParts, build_local_parts
 from keyserve.engine.detokenizer import IncrementalDetokenizer
-from keyserve.engine.kv_budget import BudgetDefaults, budget_spec
-from keyserve.engine.kv_core import KVCore, SeqStat, SeqUpdate
-from keyserve.engine.model_runner import ModelRunner, num_blocks_for_memory
+from keyserve.engine.errors import InvalidParamError, PromptTooLongError
+from keyserve.engine.kv_budget import budget_spec
+from keyserve.engine.kv_core import SeqStat, SeqUpdate
 from keyserve.engine.outputs import CompletionOutput, RequestOutput, RequestStats
 from keyserve.engine.step_input import StepInput, StepOutput
+from keyserve.model.loader import LoadedModel
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class PromptTooLongError(ValueError):
-    """The prompt does not fit the context (the HTTP layer maps this to 400)."""
-
-
-class InvalidParamError(ValueError):
-    """A request parameter the engine cannot honour; ``param`` names it for the API error."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["InvalidParamError", "LLMEngine", "PromptTooLongError"]
 
 
 @dataclass
@@ -70,77 +58,33 @@ class _Request:
         return not self.pending_forks and all(s.is_finished for s in self.seqs)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class LLMEngine:
     prefix_store: Any = None  # EnginePrefixStore when config.prefix_store.enabled
 
-    def __init__(self, config: EngineConfig | None = None, loaded: Any | None = None) -> None:
-        from keyserve.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-        from keyserve.model.loader import load_model
-
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        loaded: LoadedModel | None = None,
+        parts: EngineParts | None = None,
+    ) -> None:
+        """Build the parts in this process (``loaded``: an already loaded target), or drive
+        ``parts`` built elsewhere (``RayEngine``: actor clients with the same methods)."""
         self.config = config = config or EngineConfig()
-        torch.manual_seed(config.seed)
-        self.device = resolve_device(config.model.device)
-        dtype = _DTYPES[config.model.dtype]
-        if dtype is torch.float16 and self.device.type == "cpu":
-            raise ValueError("dtype float16 is only supported on CUDA; use bfloat16 on the CPU")
-        self.loaded = loaded or load_model(config.model.model, dtype=dtype, device=self.device)
-        arch = self.loaded.config
-        self.tokenizer = self.loaded.tokenizer
-        if (config.model.max_model_len or 0) > arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={config.model.max_model_len} exceeds the model's "
-                f"max_position_embeddings={arch.max_position_embeddings}"
-            )
-        self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
-        block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks or num_blocks_for_memory(
-            config.cache.kv_cache_memory_gb,
-            kv_cache_bytes_per_block(arch, block_size, dtype),
-        )
-        kv_caches = allocate_kv_cache(arch, num_blocks, block_size, dtype, self.device)
-        budget_defaults = BudgetDefaults(config.cache.default_kv_policy, config.cache.default_kv_budget)
-        self.runner = ModelRunner(
-            self.loaded.model,
-            kv_caches,
-            block_size,
-            arch.sliding_window,
-            self.device,
-            num_layers=arch.num_hidden_layers,
-            num_kv_heads=kv_caches[0][0].shape[2],
-            budget_defaults=budget_defaults,
-        )
-        spec = self._build_speculative(config, arch, dtype, num_blocks, block_size)
-        core = KVCore(
-            num_blocks, block_size, config.cache.enable_prefix_caching, scheduler_config(config),
-            budget_defaults, self.max_model_len, spec,
-        )
-        self._init_front(config, arch, self.tokenizer, self.max_model_len, core, spec)
-        self.block_manager = core.block_manager
-        self.scheduler = core.scheduler
-        if config.prefix_store.enabled:  # IMPRESS: hooks itself into the core and the pool
-            from keyserve.engine.prefix_store import EnginePrefixStore
-
-            self.prefix_store = EnginePrefixStore(config.prefix_store, core, self.runner, budget_defaults)
-
-    def _init_front(self, config: EngineConfig, arch: Any, tokenizer: Any, max_model_len: int,
-                    core: Any, spec: Any) -> None:
-        """State of the front (requests, stop checks) over a core, runner and drafter that may
-        be local objects or Ray actor clients with the same methods."""
-        self.config = config
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.vocab_size = arch.vocab_size
-        self.budget_defaults = BudgetDefaults(config.cache.default_kv_policy, config.cache.default_kv_budget)
-        self.core = core
-        self.spec = spec
-        self.drafter = spec.drafter if spec is not None else None
-        self.eos_token_ids = self._eos_ids(arch)
+        parts = parts or build_local_parts(config, loaded)
+        self.device = parts.device
+        self.loaded = parts.loaded
+        self.runner = parts.runner
+        self.prefix_store = parts.prefix_store
+        self.block_manager = parts.block_manager
+        self.scheduler = parts.scheduler
+        self.tokenizer = parts.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.vocab_size = parts.arch.vocab_size
+        self.budget_defaults = parts.budget_defaults
+        self.core = parts.core
+        self.spec = parts.spec
+        self.drafter = parts.spec.drafter if parts.spec is not None else None
+        self.eos_token_ids = self._eos_ids(parts.arch)
         self.requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, _Request] = {}
         self._seqs: dict[int, Sequence] = {}
@@ -149,30 +93,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.last_step_empty = False
-
-    def _build_speculative(self, config: EngineConfig, arch, dtype, num_blocks: int, block_size: int):
-        """Load the draft with its own KV pool (as many token slots as the target's)."""
-        if config.spec.draft is None:
-            return None
-        from keyserve.engine.draft_worker import DraftWorker, draft_budget
-        from keyserve.engine.speculative import SpeculativeDecoder
-        from keyserve.model.draft import load_draft
-        from keyserve.model.kv_cache import allocate_kv_cache
-
-        draft = load_draft(config.spec.draft, self.loaded, dtype=dtype, device=self.device)
-        if draft.config.vocab_size != arch.vocab_size:
-            raise ValueError(
-                f"draft vocabulary ({draft.config.vocab_size}) differs from the target's ({arch.vocab_size})"
-            )
-        kv = allocate_kv_cache(draft.config, num_blocks, block_size, dtype, self.device)
-        runner = ModelRunner(
-            draft.model, kv, block_size, draft.config.sliding_window, self.device,
-            num_layers=draft.config.num_hidden_layers, num_kv_heads=kv[0][0].shape[2],
-        )
-        drafter = DraftWorker(runner, BlockManager(num_blocks, block_size, True), arch.vocab_size,
-                              draft_budget(config.spec))
-        cost = config.spec.draft_cost_ratio or min(1.0, _weight_bytes(draft.model) / _weight_bytes(self.loaded.model))
-        return SpeculativeDecoder(drafter, config.spec, cost)
 
     def _eos_ids(self, arch: Any) -> set[int]:
         ids: set[int] = set()
@@ -522,12 +442,3 @@ class LLMEngine:
             if self.last_step_empty and self.requests:
                 raise RuntimeError("engine has requests but nothing schedulable")
         return finished
-
-
-def _weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def scheduler_config(config: EngineConfig) -> SchedulerConfig:
-    s = config.scheduler
-    return SchedulerConfig(s.max_num_batched_tokens, s.max_num_seqs, s.enable_chunked_prefill)

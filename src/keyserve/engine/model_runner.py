@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from keyserve.core.kv_policy import KVPolicy, keyformer_tau
 from keyserve.core.sampler import SamplingTensors, make_generator, sample
 from keyserve.core.spec_decode import verify_drafts
 from keyserve.core.scheduler import StepPlan
-from keyserve.engine.kv_budget import BudgetDefaults, KVBudgetTracker, compact_kv, physical_slots
+from keyserve.engine.kv_budget import KVBudgetTracker, compact_kv, physical_slots
 from keyserve.engine.step_input import (
     CompactOp,
     ForkOp,
@@ -119,7 +118,6 @@ class ModelRunner:
         device: torch.device,
         num_layers: int,
         num_kv_heads: int,
-        budget_defaults: BudgetDefaults | None = None,
         logits_fn: LogitsFn | None = None,
         is_driver: bool = True,
     ) -> None:
@@ -130,7 +128,6 @@ class ModelRunner:
         self.device = device
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
-        self.budget_defaults = budget_defaults or BudgetDefaults()  # kept for callers; items carry specs
         self.budget = KVBudgetTracker(num_layers, num_kv_heads, block_size, device)
         self.logits_fn: LogitsFn = logits_fn or model.compute_logits
         self.is_driver = is_driver  # tensor-parallel rank 0: the one that samples
@@ -498,10 +495,6 @@ class ModelRunner:
             if logprobs is not None:
                 out.logprobs[item.seq_id] = logprobs
             out.num_accepted[item.seq_id] = accepted
-
-
-def num_blocks_for_memory(memory_gb: float, bytes_per_block: int) -> int:
-    return max(2, int(math.floor(memory_gb * (1 << 30) / bytes_per_block)))
 
 
 def _stack_layers(

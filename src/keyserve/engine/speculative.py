@@ -12,8 +12,6 @@ that length.
 
 from __future__ import annotations
 
-import torch
-
 from keyserve.config import SpecConfig
 from keyserve.core.sequence import Sequence
 from keyserve.core.spec_decode import AcceptanceStats, AdaptiveK

@@ -6,15 +6,19 @@ and all-reduce their partial sums. At ``tp_size == 1`` every shard is the whole 
 all-reduce is a no-op, so the single-process path pays nothing for the split.
 
 Weights are loaded from *full* (unsharded) Hugging Face tensors: each layer slices its own part
-in ``load_shard``, so one checkpoint serves any ``tp_size``.
+in ``load_shard``, so one checkpoint serves any ``tp_size``. Across processes the all-reduce is
+``dist_all_reduce`` and the LM head is vocab-parallel (``VocabParallelHead``: each rank projects
+its slice of the vocabulary, rank 0 gathers the full logits).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -202,3 +206,33 @@ class ReplicatedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [n] long -> [n, hidden]
         return F.embedding(ids, self.weight)
+
+
+def dist_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The all-reduce of a tensor-parallel group: ``torch.distributed`` sums ``x`` over every
+    rank in place (``TPContext.all_reduce`` of a shard in a Ray actor)."""
+    dist.all_reduce(x)
+    return x
+
+
+class VocabParallelHead:
+    """Logits from this rank's rows of the LM head, gathered onto rank 0 (None elsewhere)."""
+
+    def __init__(self, weight: torch.Tensor, rank: int, size: int) -> None:  # weight [vocab, hidden]
+        self.vocab = weight.shape[0]
+        self.rank, self.size = rank, size
+        self.per_rank = math.ceil(self.vocab / size)
+        start = min(self.vocab, rank * self.per_rank)
+        self.weight = weight[start : min(self.vocab, start + self.per_rank)]
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [n, hidden] -> [n, vocab]
+        local = F.linear(hidden, self.weight).float()
+        if local.shape[1] < self.per_rank:  # the last slice of a vocab that does not divide
+            local = F.pad(local, (0, self.per_rank - local.shape[1]))
+        local = local.contiguous()
+        if self.rank != 0:
+            dist.gather(local, dst=0)
+            return None
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        dist.gather(local, parts, dst=0)
+        return torch.cat(parts, dim=1)[:, : self.vocab]

@@ -1,0 +1,283 @@
+"""One builder for every process that holds a part of the engine.
+
+``LLMEngine`` (everything in one process), ``RayEngine`` (the same engine over Ray actors), the
+tensor-parallel shard actor, the draft actor and the KV-block manager actor all build through
+here, so a dtype, a device, the KV pool's size, a model runner, a drafter or a KV core is made
+one way wherever it runs:
+
+- ``resolve_device``, ``resolve_dtype``: config strings -> torch objects (float16 only on CUDA);
+- ``weight_bytes``, ``draft_cost_ratio``: parameter bytes, and the draft's cost per target forward;
+- ``context_length``, ``kv_pool_blocks``: the context limit; KV blocks per rank for the pool;
+- ``load_target``, ``build_runner``: weights and a ``ModelRunner`` for rank ``rank`` of
+  ``world_size`` (with the all-reduce and the vocab-parallel LM head when ``world_size > 1``);
+- ``draft_target``, ``build_drafter``: the draft model with its own runner, KV pool and blocks;
+- ``core_args``, ``build_core``: the KV-block manager side (``KVCore``);
+- ``EngineParts``, ``build_local_parts``: everything ``LLMEngine`` drives, built in this process.
+  ``RayEngine`` builds the same ``EngineParts`` with actor clients in their place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from keyserve.config import CacheConfig, EngineConfig, SpecConfig
+from keyserve.config import ModelConfig as ModelOptions
+from keyserve.core.block_manager import BlockManager
+from keyserve.core.scheduler import SchedulerConfig
+from keyserve.engine.draft_worker import DraftBudget, DraftWorker, draft_budget
+from keyserve.engine.kv_budget import BudgetDefaults
+from keyserve.engine.kv_core import KVCore
+from keyserve.engine.model_runner import ModelRunner
+from keyserve.engine.prefix_store import EnginePrefixStore
+from keyserve.engine.speculative import SpeculativeDecoder
+from keyserve.model.config import ModelConfig
+from keyserve.model.draft import load_draft
+from keyserve.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
+from keyserve.model.llama import LlamaForCausalLM
+from keyserve.model.loader import LoadedModel, load_model, resolve_model_dir
+from keyserve.model.parallel import VocabParallelHead, dist_all_reduce
+from keyserve.model.weights import iter_safetensors
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ------------------------------------------------------------- dtypes, devices, sizes
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` is CUDA when this process sees a GPU, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device_type: str) -> torch.dtype:
+    """The torch dtype of a config name; ``device_type`` is where it will run ("cpu", "cuda",
+    or "auto" when only the remote process will know)."""
+    dtype = DTYPES[name]
+    if dtype is torch.float16 and device_type == "cpu":
+        raise ValueError("dtype float16 is only supported on CUDA; use bfloat16 on the CPU")
+    return dtype
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def draft_cost_ratio(config: SpecConfig, draft_bytes: int, target_bytes: int) -> float:
+    """A draft forward's cost relative to the target's (adaptive K weighs it): the configured
+    ratio, else the ratio of their weight bytes (decode is memory-bound)."""
+    return config.draft_cost_ratio or min(1.0, draft_bytes / target_bytes)
+
+
+def context_length(options: ModelOptions, arch: ModelConfig) -> int:
+    """The engine's context limit: ``max_model_len``, at most the model's own."""
+    if (options.max_model_len or 0) > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={options.max_model_len} exceeds the model's "
+            f"max_position_embeddings={arch.max_position_embeddings}"
+        )
+    return options.max_model_len or arch.max_position_embeddings
+
+
+def num_blocks_for_memory(memory_gb: float, bytes_per_block: int) -> int:
+    return max(2, int(math.floor(memory_gb * (1 << 30) / bytes_per_block)))
+
+
+def kv_pool_blocks(cache: CacheConfig, arch: ModelConfig, dtype: torch.dtype, world_size: int = 1) -> int:
+    """KV blocks in the pool: ``num_blocks``, else as many as ``kv_cache_memory_gb`` holds on
+    one rank (each of ``world_size`` ranks holds its share of the kv-heads of every block)."""
+    if cache.num_blocks:
+        return cache.num_blocks
+    per_block = kv_cache_bytes_per_block(arch, cache.block_size, dtype, world_size)
+    return num_blocks_for_memory(cache.kv_cache_memory_gb, per_block)
+
+
+def budget_defaults(config: EngineConfig) -> BudgetDefaults:
+    """The KV budget of requests that name none (built once per engine)."""
+    return BudgetDefaults(config.cache.default_kv_policy, config.cache.default_kv_budget)
+
+
+def scheduler_config(config: EngineConfig) -> SchedulerConfig:
+    s = config.scheduler
+    return SchedulerConfig(s.max_num_batched_tokens, s.max_num_seqs, s.enable_chunked_prefill)
+
+
+# ------------------------------------------------------------------ model runners
+def load_target(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, rank: int = 0, world_size: int = 1
+) -> LlamaForCausalLM:
+    """This rank's shard of the target's weights, without the tokenizer (a shard never
+    detokenizes, and importing transformers would double its start-up time)."""
+    path = Path(model_dir)
+    arch = ModelConfig.from_file(path / "config.json")
+    all_reduce = dist_all_reduce if world_size > 1 else None
+    model = LlamaForCausalLM(arch, dtype, device, rank, world_size, all_reduce)
+    model.load_weights(iter_safetensors(path))
+    model.eval()
+    return model
+
+
+def build_runner(
+    model: LlamaForCausalLM,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+) -> ModelRunner:
+    """A runner over ``model`` (this rank's shard) with a zeroed KV pool of this rank's
+    kv-heads. With ``world_size > 1`` the LM head is vocab-parallel (rank 0 gathers the logits
+    and samples) and an untied head keeps only this rank's rows."""
+    arch = model.config
+    kv = allocate_kv_cache(arch, num_blocks, block_size, dtype, device, rank, world_size)
+    head = None
+    if world_size > 1:
+        head = VocabParallelHead(model.lm_head_weight, rank, world_size)
+        if not arch.tie_word_embeddings:
+            model.lm_head_weight = torch.nn.Parameter(head.weight.clone(), requires_grad=False)
+            head.weight = model.lm_head_weight
+    return ModelRunner(
+        model, kv, block_size, arch.sliding_window, device,
+        num_layers=arch.num_hidden_layers, num_kv_heads=kv[0][0].shape[2],
+        logits_fn=head, is_driver=rank == 0,
+    )
+
+
+def load_target_meta(model: str | None) -> tuple[Path, ModelConfig, Any]:
+    """A target's directory, architecture and tokenizer, without its weights (the Ray
+    engine's front holds no model; the shards load it)."""
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model_dir(model, progress=False)
+    return model_dir, ModelConfig.from_file(model_dir / "config.json"), AutoTokenizer.from_pretrained(str(model_dir))
+
+
+# ------------------------------------------------------------------------ drafter
+def draft_target(target_dir: str | Path, dtype: torch.dtype, device: torch.device) -> Any:
+    """What ``load_draft`` reads from the target -- config, tokenizer, input embeddings --
+    without loading the whole target (the draft actor may sit on another node)."""
+    from transformers import AutoTokenizer
+
+    path = Path(target_dir)
+    embed = next(t for name, t in iter_safetensors(path) if name == "model.embed_tokens.weight")
+    weight = embed.to(device, dtype)
+    return SimpleNamespace(
+        model=SimpleNamespace(model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight)), dtype=dtype),
+        config=ModelConfig.from_file(path / "config.json"),
+        tokenizer=AutoTokenizer.from_pretrained(str(path)),
+        path=path,
+        generation_config={},
+    )
+
+
+def build_drafter(
+    draft: str,
+    budget: DraftBudget,
+    target: LoadedModel | Any,  # the loaded target, or ``draft_target``'s stand-in
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[DraftWorker, int]:
+    """The draft model with its own KV pool (as many token slots as the target's) and block
+    manager; returns the drafter and the draft's weight bytes."""
+    loaded = load_draft(draft, target, dtype=dtype, device=device)
+    vocab = target.config.vocab_size
+    if loaded.config.vocab_size != vocab:
+        raise ValueError(f"draft vocabulary ({loaded.config.vocab_size}) differs from the target's ({vocab})")
+    runner = build_runner(loaded.model, num_blocks, block_size, dtype, device)
+    worker = DraftWorker(runner, BlockManager(num_blocks, block_size, True), vocab, budget)
+    return worker, weight_bytes(loaded.model)
+
+
+# ---------------------------------------------------------------------- KV core
+@dataclass
+class KVCoreArgs:
+    """What a ``KVCore`` is built from (sent to the KV-block manager actor as is)."""
+
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool
+    scheduler: SchedulerConfig
+    budget_defaults: BudgetDefaults
+    max_model_len: int
+    speculative: SpecConfig | None  # set when a draft is configured (lookahead, adaptive K)
+    draft_cost_ratio: float = 1.0
+
+
+def core_args(
+    config: EngineConfig, num_blocks: int, max_model_len: int, budget: BudgetDefaults,
+    spec: SpeculativeDecoder | None,
+) -> KVCoreArgs:
+    return KVCoreArgs(
+        num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, scheduler_config(config),
+        budget, max_model_len, config.spec if spec is not None else None,
+        spec.cost_ratio if spec is not None else 1.0,
+    )
+
+
+def build_core(args: KVCoreArgs, decoder: SpeculativeDecoder | None = None) -> KVCore:
+    """The KV-block manager side. In the engine's process it shares the engine's decoder; in
+    the KV-block manager actor it gets its own (lookahead and adaptive K, no drafter)."""
+    if decoder is None and args.speculative is not None:
+        decoder = SpeculativeDecoder(None, args.speculative, args.draft_cost_ratio)
+    return KVCore(
+        args.num_blocks, args.block_size, args.enable_prefix_caching, args.scheduler,
+        args.budget_defaults, args.max_model_len, decoder,
+    )
+
+
+# ------------------------------------------------------------------ engine parts
+@dataclass
+class EngineParts:
+    """Everything ``LLMEngine`` drives. ``build_local_parts`` builds them in this process;
+    ``RayEngine`` puts Ray actor clients with the same methods in their place."""
+
+    arch: ModelConfig
+    tokenizer: Any
+    max_model_len: int
+    budget_defaults: BudgetDefaults
+    runner: Any  # ModelRunner | TargetGroup: apply_ops(ops), execute(step, draft_probs)
+    core: Any  # KVCore | RemoteCore: add, schedule, commit, finish
+    spec: SpeculativeDecoder | None  # its drafter: DraftWorker | RemoteDrafter
+    scheduler: Any  # what the engine's statistics read (the core's, or a view of the actor's)
+    block_manager: Any
+    device: torch.device  # of this process's model (the CPU when the model is remote)
+    loaded: LoadedModel | None = None
+    prefix_store: EnginePrefixStore | None = None
+
+
+def build_local_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
+    """Target, drafter, KV core and prefix store in this process (``loaded``: an already
+    loaded target, e.g. shared by tests)."""
+    torch.manual_seed(config.seed)
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device.type)
+    loaded = loaded or load_model(config.model.model, dtype=dtype, device=device)
+    arch = loaded.config
+    max_model_len = context_length(config.model, arch)
+    block_size = config.cache.block_size
+    num_blocks = kv_pool_blocks(config.cache, arch, dtype)
+    budget = budget_defaults(config)
+    runner = build_runner(loaded.model, num_blocks, block_size, dtype, device)
+    spec = None
+    if config.spec.draft is not None:
+        drafter, draft_bytes = build_drafter(
+            config.spec.draft, draft_budget(config.spec), loaded, num_blocks, block_size, dtype, device
+        )
+        cost = draft_cost_ratio(config.spec, draft_bytes, weight_bytes(loaded.model))
+        spec = SpeculativeDecoder(drafter, config.spec, cost)
+    core = build_core(core_args(config, num_blocks, max_model_len, budget, spec), spec)
+    store = None
+    if config.prefix_store.enabled:  # IMPRESS: hooks itself into the core and the pool
+        store = EnginePrefixStore(config.prefix_store, core, runner, budget)
+    return EngineParts(
+        arch, loaded.tokenizer, max_model_len, budget, runner, core, spec,
+        core.scheduler, core.block_manager, device, loaded, store,
+    )
