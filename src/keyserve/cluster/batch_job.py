@@ -33,7 +33,9 @@ from typing import Any
 from keyserve.cluster.batch_io import DUPLICATE_CODE, InputLine, OutputBusyError, OutputLog, read_input
 from keyserve.cluster.batch_retry import RetryPolicy, is_transient
 from keyserve.cluster.cli_args import add_model_fields, model_kwargs
+from keyserve.cluster.errors import APIError, bad_request, to_api_error
 from keyserve.cluster.help_format import PlainHelpFormatter
+from keyserve.cluster.openai_serving import OpenAIServing
 from keyserve.config import ServeConfig
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -79,8 +81,6 @@ def _lone_surrogate_field(obj: Any, field: str | None = None) -> str | None:
 
 async def process_line(serving: Any, line: InputLine) -> dict:
     """One input line -> its output record (one attempt); never raises."""
-    from keyserve.cluster.errors import APIError, bad_request, to_api_error
-
     key, lineno = line.key, line.lineno
     if line.duplicate_of is not None:
         return _record(key, None, None, {"code": DUPLICATE_CODE, "message":
@@ -116,6 +116,20 @@ async def process_line(serving: Any, line: InputLine) -> dict:
     except Exception as e:  # noqa: BLE001 — a bug must cost one line, not the job
         err = to_api_error(e)
         return _record(key, err.status, err.body(), None)
+    except asyncio.CancelledError:
+        if _cancelling():
+            raise  # this job is being cancelled
+        # An inner future was cancelled (e.g. the engine shut down under the request): transient.
+        err = APIError(503, "the request was cancelled inside the engine", "server_error",
+                       code="request_cancelled")
+        return _record(key, err.status, err.body(), None)
+
+
+def _cancelling() -> bool:
+    """Whether the current task itself is being cancelled (Python 3.11+ can tell; before, assume so)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is None or cancelling() > 0
 
 
 def _engine_alive(serving: Any) -> bool:
@@ -223,8 +237,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _main(args: argparse.Namespace, policy: RetryPolicy) -> BatchSummary:
-    from keyserve.cluster.openai_serving import OpenAIServing
-
     kwargs = model_kwargs(args, ServeConfig)
     concurrency = args.concurrency or 2 * (kwargs.get("max_num_seqs") or 64)
     config = ServeConfig(**kwargs, max_queued_requests=concurrency, request_timeout_s=args.timeout_s)
