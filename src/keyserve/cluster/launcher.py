@@ -9,7 +9,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from keyserve.cluster.serve_app import ServeArgs
+from keyserve.cluster.http_app import create_app
+from keyserve.cluster.openai_serving import OpenAIServing
+from keyserve.cluster.serve_app import ServeArgs, build_app
 
 
 @dataclass
@@ -42,8 +44,6 @@ def run_serve(args: ServeArgs, host: str, port: int, ray_opts: RayOptions, block
     """Deploy on Ray Serve at http://host:port/ and (``blocking``) serve until Ctrl-C."""
     from ray import serve
 
-    from keyserve.cluster.serve_app import build_app
-
     init_ray(ray_opts)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(args.model_dump(exclude_defaults=True)), name="keyserve", route_prefix="/")
@@ -65,9 +65,6 @@ def _shutdown_serve() -> None:
 def run_uvicorn(args: ServeArgs, host: str, port: int) -> None:
     """Serve in this process with uvicorn (no Ray); blocks until Ctrl-C."""
     import uvicorn
-
-    from keyserve.cluster.http_app import create_app
-    from keyserve.cluster.openai_serving import OpenAIServing
 
     serving = OpenAIServing.from_config(args.serve_config())
     serving.engine.wait_ready_blocking()

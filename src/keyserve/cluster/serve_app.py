@@ -20,6 +20,8 @@ from typing import Any
 
 from pydantic import Field
 
+from keyserve.cluster.http_app import create_app
+from keyserve.cluster.openai_serving import OpenAIServing
 from keyserve.config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -49,8 +51,6 @@ class KeyserveDeployment:
     ``api_key`` in its args it takes the key from ``$KEYSERVE_API_KEY``, if set."""
 
     async def __init__(self, args: dict[str, Any]) -> None:
-        from keyserve.cluster.openai_serving import OpenAIServing
-
         config = ServeArgs.model_validate(args).serve_config()
         if config.api_key is None and os.environ.get(API_KEY_ENV):  # e.g. from a k8s Secret
             config = config.model_copy(update={"api_key": os.environ[API_KEY_ENV]})
@@ -59,8 +59,6 @@ class KeyserveDeployment:
         log.info("keyserve replica ready: %s", self.serving.model_name)
 
     def __serve_build_asgi_app__(self):
-        from keyserve.cluster.http_app import create_app
-
         return create_app(self.serving)
 
     async def check_health(self) -> None:

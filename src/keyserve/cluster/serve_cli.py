@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from keyserve.cluster.cli_args import add_model_fields, model_kwargs
 from keyserve.cluster.help_format import PlainHelpFormatter
+from keyserve.cluster.launcher import RayOptions, run_serve, run_uvicorn
 from keyserve.cluster.serve_app import ServeArgs
 
 
@@ -46,8 +47,6 @@ def main(argv: list[str] | None = None) -> int:
                          for err in e.errors())
         print(f"keyserve serve: invalid value: {errs}", file=sys.stderr)
         return 2
-    from keyserve.cluster.launcher import RayOptions, run_serve, run_uvicorn
-
     if args.no_ray:
         run_uvicorn(serve_args, args.host, args.port)
     else:

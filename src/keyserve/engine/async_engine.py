@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from keyserve.config import EngineConfig
 from keyserve.core.sampling_params import SamplingParams
+from keyserve.engine.errors import PromptTooLongError
 from keyserve.engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -314,8 +315,6 @@ class AsyncLLMEngine:
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
         if len(ids) >= engine.max_model_len:
-            from keyserve.engine.llm_engine import PromptTooLongError
-
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens but the model's context is "
                 f"{engine.max_model_len} tokens (at least one must remain for generation)"
