@@ -49,12 +49,12 @@ def count_lines(path: Path) -> int:
         return 0
 
 
-def final_records(out: Path, src: Path) -> dict[str, dict]:
+def final_records(out: Path, src: Path, context: str = "") -> dict[str, dict]:
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     counts = Counter(r["custom_id"] for r in recs)
     keys = [line.key for line in read_input(src)]
-    assert sorted(counts) == sorted(keys), set(counts) ^ set(keys)
-    assert all(n == 1 for n in counts.values()), counts.most_common(3)
+    assert sorted(counts) == sorted(keys), (context, set(counts) ^ set(keys))
+    assert all(n == 1 for n in counts.values()), (context, counts.most_common(3))
     return {r["custom_id"]: r for r in recs}
 
 
@@ -106,6 +106,6 @@ def test_kill_9_at_random_points_then_rerun_gives_one_record_per_line(stories_pa
     assert done.returncode == 0, f"seed {seed}: {done.stderr[-3000:]}"
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["unfinished"] == 0 and summary["total"] == N + 2
-    got = {cid: answer(r) for cid, r in final_records(out, src).items()}
+    got = {cid: answer(r) for cid, r in final_records(out, src, f"seed {seed}: kills at {kills}").items()}
     assert got == reference, f"seed {seed}: kills at {kills}: " + str(
         {cid: (got[cid], reference[cid]) for cid in got if got[cid] != reference[cid]})
