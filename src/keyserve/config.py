@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from keyserve.types import KVPolicyName
 
@@ -297,7 +297,13 @@ class ServeConfig(_Strict):
         None, description="Prefix store: memory-tier eviction priority."
     )
     api_key: str | None = Field(
-        None, description="If set, /v1/* require `Authorization: Bearer <api_key>`."
+        None,
+        description="If set, /v1/* and the API docs (/docs, /redoc, /openapi.json) require "
+        "`Authorization: Bearer <api_key>`; it must not be empty.",
+    )
+    max_request_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, le=2**31 - 1,
+        description="Largest request body accepted, in bytes; larger ones get 413.",
     )
     max_queued_requests: int = Field(
         256, ge=0,
@@ -307,6 +313,14 @@ class ServeConfig(_Strict):
         600.0, gt=0.0, description="Server-side limit per request (queueing included); 408 after."
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with a 503.")
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key_not_blank(cls, value: str | None) -> str | None:
+        """An empty key would accept an empty bearer token: refuse it at start-up."""
+        if value is not None and not value.strip():
+            raise ValueError("api_key must not be empty or whitespace (leave it unset for no auth)")
+        return value
 
     def engine_config(self) -> "EngineConfig":
         """The EngineConfig this server runs (unset fields keep the engine's defaults)."""

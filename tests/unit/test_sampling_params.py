@@ -41,6 +41,20 @@ INVALID = [
     ({"temperature": "hot"}, "temperature", "number"),
     ({"frobnicate": 1}, "frobnicate", "Extra inputs are not permitted"),
     ({"best_of": 2}, "best_of", "Extra inputs are not permitted"),
+    # Finite and within int64 / what any model can use (issue 16).
+    ({"temperature": float("nan")}, "temperature", "finite number"),
+    ({"top_p": float("inf")}, "top_p", "finite number"),
+    ({"tau_init": float("inf")}, "tau_init", "finite number"),
+    ({"kv_budget": float("nan")}, "kv_budget", "finite number"),
+    ({"kv_budget": 2.0**31}, "kv_budget", "less than or equal to 2147483647"),
+    ({"top_k": 2**63}, "top_k", "less than or equal to 9223372036854775807"),
+    ({"seed": 2**63}, "seed", "less than or equal to 9223372036854775807"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "greater than or equal to 0"),
+    ({"stop_token_ids": [2**64]}, "stop_token_ids", "less than or equal to 9223372036854775807"),
+    ({"stop_token_ids": list(range(1025))}, "stop_token_ids", "at most 1024 items"),
+    ({"stop": ["x"] * 65}, "stop", "at most 64 items"),
+    ({"stop": ["x" * 4097]}, "stop", "at most 4096 characters"),
+    ({"stop": ["ok", "\ud800"]}, "stop", "lone surrogates"),
 ]
 
 
@@ -53,7 +67,7 @@ def test_invalid_value_names_field_and_range(kwargs: dict, field: str, allowed: 
     assert allowed in message
     # The error is located at the offending field (tau_end's rule spans the whole model).
     locs = [".".join(str(p) for p in e["loc"]) for e in info.value.errors()]
-    assert field in locs or field == "tau_end"
+    assert any(loc == field or loc.startswith(field + ".") for loc in locs) or field == "tau_end"
 
 
 def test_defaults_are_valid_and_sensible() -> None:
@@ -81,6 +95,10 @@ def test_defaults_are_valid_and_sensible() -> None:
         {"tau_init": 1.5, "tau_end": 1.5},
         {"recent_ratio": 0.0},
         {"num_speculative_tokens": 16},
+        {"top_k": 2**63 - 1},
+        {"stop_token_ids": [0, 2**63 - 1]},
+        {"stop": ["x" * 4096] * 64},
+        {"kv_budget": 2**31 - 1},
     ],
     ids=lambda kw: str(kw),
 )

@@ -34,17 +34,24 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = _printable(message)
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
-        self.param = param
+        self.param = None if param is None else _printable(param)
         self.code = code
         self.headers = headers or {}
 
     def body(self) -> dict:
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
+
+
+def _printable(text: str) -> str:
+    """``text`` with what UTF-8 cannot carry (a lone surrogate from the client) escaped, so the
+    error that names it can itself be sent."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:

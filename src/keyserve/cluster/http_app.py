@@ -3,14 +3,15 @@
 The same app runs under Ray Serve (``serve_app.build_app``) and plain uvicorn (tests, laptops).
 A client that goes away aborts its request: while streaming, Starlette cancels the body
 iterator; before that (queueing, prefill, non-streaming), a watcher on ``http.disconnect``
-cancels the handler. Either way the engine request is aborted and its KV blocks freed.
+cancels the handler (Ray Serve cancels it itself). Either way the engine request is aborted,
+its KV blocks freed, and the request counted as aborted, not as an error (``disconnects``).
+With an API key, the docs and the OpenAPI schema need it too; /health and /metrics stay open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -18,11 +19,16 @@ from typing import Any, TypeVar
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from keyserve.cluster import openapi_doc
+from keyserve.cluster.disconnects import DisconnectGuard
 from keyserve.cluster.errors import APIError, bad_request
+from keyserve.cluster.json_body import parse_json, read_body
 from keyserve.cluster.metrics import CONTENT_TYPE
+from keyserve.cluster.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard
 from keyserve.cluster.openai_serving import Kind, OpenAIServing
 
 log = logging.getLogger(__name__)
@@ -35,14 +41,25 @@ class _Disconnected(Exception):
 
 
 def create_app(serving: OpenAIServing) -> FastAPI:
-    app = FastAPI(title="keyserve", description="OpenAI-compatible LLM server")
+    app = FastAPI(title="keyserve", description="OpenAI-compatible LLM server",
+                  docs_url=None, redoc_url=None, openapi_url=None)  # served below, behind the key
     app.state.serving = serving
     _install_error_handlers(app, serving)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_checker(serving.config.api_key))])
+    if serving.metrics is not None:
+        app.add_middleware(DisconnectGuard, on_abort=serving.metrics.observe_aborted)
+    else:
+        app.add_middleware(DisconnectGuard, on_abort=lambda: None)
+    auth = [Depends(_api_key_checker(serving.config.api_key))]
+    v1 = APIRouter(prefix="/v1", dependencies=auth)
 
     @v1.get("/models")
     async def models() -> dict:
         return serving.models()
+
+    @v1.get("/models/{model_id:path}", response_model=ModelCard)
+    async def model(model_id: str) -> dict:
+        """One model (``client.models.retrieve``); an unknown id is a 404 envelope."""
+        return serving.model(model_id)
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
@@ -53,6 +70,9 @@ def create_app(serving: OpenAIServing) -> FastAPI:
         return await _generate(serving, request, "chat")
 
     app.include_router(v1)
+    openapi_doc.install(app, {"/v1/completions": CompletionRequest,
+                              "/v1/chat/completions": ChatCompletionRequest})
+    _install_docs(app, auth if serving.config.api_key is not None else [])
 
     @app.get("/health")
     async def health() -> Response:
@@ -71,10 +91,30 @@ def create_app(serving: OpenAIServing) -> FastAPI:
     return app
 
 
+def _install_docs(app: FastAPI, auth: list) -> None:
+    """/openapi.json, /docs and /redoc, behind the API key when there is one."""
+
+    def schema_url(request: Request) -> str:
+        return request.scope.get("root_path", "").rstrip("/") + "/openapi.json"
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=auth)
+    async def openapi_json() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=auth)
+    async def docs(request: Request) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=schema_url(request), title=f"{app.title} - docs")
+
+    @app.get("/redoc", include_in_schema=False, dependencies=auth)
+    async def redoc(request: Request) -> HTMLResponse:
+        return get_redoc_html(openapi_url=schema_url(request), title=f"{app.title} - ReDoc")
+
+
 async def _generate(serving: OpenAIServing, request: Request, kind: Kind) -> Response:
-    body = await _json_body(request)
+    raw = await read_body(request, serving.config.max_request_bytes)
+    body = await parse_json(raw)
     try:
-        result = await _until_disconnect(request, serving.handle(kind, body))
+        result = await _until_disconnect(request, serving.handle(kind, body, checked=True))
     except _Disconnected:
         return Response(status_code=CLIENT_CLOSED)
     if isinstance(result, dict):
@@ -93,14 +133,6 @@ class _EventStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:

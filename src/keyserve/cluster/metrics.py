@@ -108,6 +108,12 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=self.registry)
         self.rejected = Counter("keyserve:request_rejected", "Requests refused, by HTTP status.",
                                 ["model_name", "status"], registry=self.registry)
+        self.aborted = Counter(
+            "keyserve:request_aborted",
+            "HTTP requests whose client went away before the response was complete (their engine "
+            "requests, if any, are aborted and count in request_success{finished_reason=abort}).",
+            labels, registry=self.registry)
+        self.aborted.labels(model_name)  # exported as 0 from the start
 
     def observe_finished(self, out: RequestOutput) -> None:
         reasons = {o.finish_reason for o in out.outputs}
@@ -127,6 +133,10 @@ class ServerMetrics:
 
     def observe_rejected(self, status: int) -> None:
         self.rejected.labels(self.model_name, str(status)).inc()
+
+    def observe_aborted(self) -> None:
+        """A client disconnect: an abort, never an error (request_rejected{status=500})."""
+        self.aborted.labels(self.model_name).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,22 +1,33 @@
 """OpenAI-compatible request and response bodies (pydantic).
 
-Requests forbid unknown fields, so a misspelt keyserve extension (``kv_polcy``) is a 400 naming
-it rather than silently ignored. Ranges are checked once, by ``SamplingParams``; these models
-only check types, and ``to_sampling_params`` maps the fields across.
+Requests are strict: unknown fields are a 400 naming them (a misspelt ``kv_polcy`` is not
+silently ignored), no string is coerced to a number or a boolean (``"max_tokens": "5"`` and
+``"stream": "yes"`` are 400s), and every number is finite. The fields that map to
+``SamplingParams`` take its bounds (``_sp``), so the OpenAPI schema shows the same ranges the
+server enforces; ``to_sampling_params`` maps the fields across. Bounds that depend on the loaded
+model (vocabulary, context length) are checked by ``OpenAIServing``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from keyserve.core.sampling_params import KVPolicyName, SamplingParams
+from keyserve.core.sampling_params import INT64_MAX, KVPolicyName, SamplingParams, TokenId
+
+MAX_LOGPROBS = 20  # completions' logprobs / chat's top_logprobs accepted (only 0 alternatives are returned)
+MAX_PROMPTS = 1024  # prompts in one completions request (each is one engine request)
+
+
+def _sp(kind: Any, name: str) -> Any:
+    """``kind`` with the bounds of ``SamplingParams.<name>`` (one source of truth for ranges)."""
+    return Annotated[(kind, *SamplingParams.model_fields[name].metadata)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -28,27 +39,39 @@ class _SamplingFields(_Request):
     """Fields both endpoints share: OpenAI's, then keyserve's and vLLM's extensions."""
 
     model: str | None = Field(None, description="The served model's name; None means that model.")
-    n: int = Field(1, description="Samples per prompt.")
-    temperature: float | None = Field(None, description="0 is greedy; default 1.")
-    top_p: float | None = Field(None, description="Nucleus sampling mass; default 1.")
-    seed: int | None = Field(None, description="Makes sampling reproducible.")
-    stop: str | list[str] | None = Field(None, description="Stop strings (not included in the text).")
+    n: _sp(int, "n") = Field(1, description="Samples per prompt.")
+    temperature: _sp(float, "temperature") | None = Field(None, description="0 is greedy; default 1.")
+    top_p: _sp(float, "top_p") | None = Field(None, description="Nucleus sampling mass; default 1.")
+    seed: _sp(int, "seed") | None = Field(None, description="Makes sampling reproducible.")
+    stop: str | _sp(list[str], "stop") | None = Field(
+        None, description="Stop strings (not included in the text)."
+    )
     stream: bool = Field(False, description="Server-sent events ending in `data: [DONE]`.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
-    presence_penalty: float | None = Field(None, description="Only 0 is supported.")
-    frequency_penalty: float | None = Field(None, description="Only 0 is supported.")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Only 0 is supported.")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Only 0 is supported.")
     logit_bias: dict[str, float] | None = Field(None, description="Only empty is supported.")
     user: str | None = Field(None, description="End-user id (logged, not used).")
     # keyserve / vLLM extensions
-    top_k: int | None = Field(None, description="Keep the k most likely tokens (0: off).")
-    min_p: float | None = Field(None, description="Drop tokens below min_p * p_max.")
+    top_k: _sp(int, "top_k") | None = Field(
+        None, description="Keep the k most likely tokens (0: off; above the vocabulary: clamped to it)."
+    )
+    min_p: _sp(float, "min_p") | None = Field(None, description="Drop tokens below min_p * p_max.")
     ignore_eos: bool | None = Field(None, description="Keep generating past the EOS token.")
-    stop_token_ids: list[int] | None = Field(None, description="Extra stop token ids.")
+    stop_token_ids: _sp(list[TokenId], "stop_token_ids") | None = Field(
+        None, description="Extra stop token ids (each below the vocabulary size)."
+    )
     kv_policy: KVPolicyName | None = Field(None, description="KV eviction policy.")
-    kv_budget: float | None = Field(None, description="KV budget: prompt fraction (<=1) or tokens.")
-    recent_ratio: float | None = Field(None, description="Share of the KV budget kept recent.")
+    kv_budget: _sp(float, "kv_budget") | None = Field(
+        None, description="KV budget: prompt fraction (<=1) or tokens (at most the context length)."
+    )
+    recent_ratio: _sp(float, "recent_ratio") | None = Field(
+        None, description="Share of the KV budget kept recent."
+    )
     speculative: bool | None = Field(None, description="Use the draft model (needs one loaded).")
-    num_speculative_tokens: int | None = Field(None, description="Draft tokens per step (K).")
+    num_speculative_tokens: _sp(int, "num_speculative_tokens") | None = Field(
+        None, description="Draft tokens per step (K)."
+    )
 
     def _unsupported(self) -> list[tuple[str, str]]:
         bad = []
@@ -76,17 +99,23 @@ class _SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+MaxTokens = _sp(int, "max_tokens")
+PromptIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="Text, token ids, or a list of either (one choice group per prompt)."
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | PromptIds | Annotated[
+        list[PromptIds], Field(min_length=1, max_length=MAX_PROMPTS)
+    ] = Field(description="Text, token ids, or a list of either (one choice group per prompt).")
+    max_tokens: MaxTokens | None = Field(
+        16, description="Tokens to generate at most (default 16; at most the context length)."
     )
-    max_tokens: int | None = Field(16, description="Tokens to generate at most (default 16).")
-    logprobs: int | None = Field(
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
         None, description="Return the chosen tokens' log-probabilities (alternatives: not supported)."
     )
     echo: bool = Field(False, description="Prepend the prompt to the text.")
     suffix: str | None = Field(None, description="Not supported.")
-    best_of: int | None = Field(None, description="Only best_of == n is supported.")
+    best_of: _sp(int, "n") | None = Field(None, description="Only best_of == n is supported.")
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = self._unsupported()
@@ -94,8 +123,6 @@ class CompletionRequest(_SamplingFields):
             bad.append(("suffix", "suffix is not supported"))
         if self.best_of is not None and self.best_of != self.n:
             bad.append(("best_of", "best_of other than n is not supported"))
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad.append(("logprobs", "logprobs must be between 0 and 20"))
         if self.echo and self.logprobs is not None:
             bad.append(("echo", "echo with logprobs is not supported (no prompt log-probabilities)"))
         return bad
@@ -103,6 +130,9 @@ class CompletionRequest(_SamplingFields):
     def to_sampling_params(self, max_model_len: int) -> SamplingParams:
         limit = self.max_tokens if self.max_tokens is not None else max_model_len
         return self._params(limit, self.logprobs is not None)
+
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
 
 
 class TextPart(_Request):
@@ -126,12 +156,15 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
-    max_tokens: int | None = Field(None, description="Deprecated alias of max_completion_tokens.")
-    max_completion_tokens: int | None = Field(
-        None, description="Tokens to generate at most; default: the rest of the context."
+    max_tokens: MaxTokens | None = Field(None, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: MaxTokens | None = Field(
+        None, description="Tokens to generate at most (at most the context length); default: the "
+        "rest of the context."
     )
     logprobs: bool = Field(False, description="Return the chosen tokens' log-probabilities.")
-    top_logprobs: int | None = Field(None, description="Only 0 is supported.")
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="Only 0 is supported."
+    )
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported.")
     tool_choice: Any = Field(None, description="Only 'none' is supported.")
     response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}.")

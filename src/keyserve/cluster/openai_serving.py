@@ -3,7 +3,8 @@
 The HTTP app and the batch job both call ``OpenAIServing.handle(kind, body)``: it returns a
 response dict, or (``stream: true``) an async iterator of server-sent-event strings that has
 already waited for the first token, so errors up to that point still become an HTTP status.
-Every failure leaves as an ``APIError``.
+Every failure leaves as an ``APIError``. The bounds that depend on the loaded model (context
+length, vocabulary, seats) are checked here, before anything reaches the engine thread.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from keyserve.cluster.errors import APIError, bad_request, to_api_error
+from keyserve.cluster.json_body import check_json
 from keyserve.cluster.metrics import ServerMetrics
 from keyserve.cluster.openai_protocol import (
     ChatChoice,
@@ -109,15 +111,28 @@ class OpenAIServing:
         return cls(engine, config, metrics)
 
     def models(self) -> dict:
+        return ModelList(data=[self._card()]).model_dump()
+
+    def model(self, model_id: str) -> dict:
+        """The card of ``model_id`` (``GET /v1/models/{id}``); 404 for any other id."""
+        if model_id != self.model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist; this server serves "
+                           f"`{self.model_name}`.", param="model", code="model_not_found")
+        return self._card().model_dump()
+
+    def _card(self) -> ModelCard:
         max_len = self.engine.max_model_len if self.engine.is_ready else None
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=max_len)]).model_dump()
+        return ModelCard(id=self.model_name, max_model_len=max_len)
 
     # ------------------------------------------------------------------ entry
-    async def handle(self, kind: Kind, body: Any) -> dict | AsyncIterator[str]:
-        """One request body -> a response dict, or a primed SSE iterator if it streams."""
+    async def handle(self, kind: Kind, body: Any, checked: bool = False) -> dict | AsyncIterator[str]:
+        """One request body -> a response dict, or a primed SSE iterator if it streams.
+        ``checked``: the body already passed ``json_body.check_json`` (the HTTP path)."""
         prompt_param = "messages" if kind == "chat" else "prompt"
         rename: dict[str, str] = {}
         try:
+            if not checked:
+                check_json(body)
             req = self._parse(kind, body)
             if kind == "chat":
                 rename = {"max_tokens": req.max_tokens_param()}
@@ -125,7 +140,7 @@ class OpenAIServing:
                 state = "is still loading" if self.engine.is_alive else "is not running"
                 raise APIError(503, f"the model {state}; retry later", "server_error",
                                code="engine_unavailable", headers={"Retry-After": "5"})
-            params = req.to_sampling_params(self.engine.max_model_len)
+            params = self._fit_to_model(req, req.to_sampling_params(self.engine.max_model_len))
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
             streams = await self._start(kind, req, params, rid)
             if req.stream:
@@ -152,6 +167,29 @@ class OpenAIServing:
         if kind == "completions" and (req.prompt == [] or req.prompt == [[]]):
             raise bad_request("prompt must not be empty", "prompt")
         return req
+
+    def _fit_to_model(self, req: Any, params: SamplingParams) -> SamplingParams:
+        """The bounds the loaded model sets: 400 naming the field, or (top_k) a clamp that
+        keeps the meaning (a k at or above the vocabulary keeps every token)."""
+        max_len, vocab = self.engine.max_model_len, self.engine.vocab_size
+        if params.max_tokens > max_len:
+            raise bad_request(f"{req.max_tokens_param()}={params.max_tokens} exceeds the model's "
+                              f"context length of {max_len} tokens", req.max_tokens_param())
+        if params.kv_budget is not None and params.kv_budget > max_len:
+            raise bad_request(f"kv_budget={params.kv_budget:g} tokens exceeds the model's context "
+                              f"length of {max_len} tokens", "kv_budget")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise bad_request(f"stop_token_ids must lie in [0, {vocab}); got {bad[0]}", "stop_token_ids")
+        prompts = getattr(req, "prompt", None)
+        if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int):
+            seats = self.engine.max_num_seqs + self.engine.max_queued_requests
+            if len(prompts) > seats:
+                raise bad_request(f"{len(prompts)} prompts exceed what the server can hold at once "
+                                  f"({seats})", "prompt")
+        if params.top_k > vocab:
+            params = params.model_copy(update={"top_k": vocab})
+        return params
 
     async def _start(self, kind: Kind, req: Any, params: SamplingParams, rid: str) -> list[RequestStream]:
         """Queue one engine request per prompt; undo them all if any fails."""

@@ -46,17 +46,21 @@ class ServeArgs(ServeConfig):
 
 
 class KeyserveDeployment:
-    """One replica: an AsyncLLMEngine (the model loads before the replica reports ready) and
-    the OpenAI FastAPI app over it. Undecorated: ``build_app`` makes it a deployment. Without
-    ``api_key`` in its args it takes the key from ``$KEYSERVE_API_KEY``, if set."""
+    """One replica: an AsyncLLMEngine and the OpenAI FastAPI app over it. Undecorated:
+    ``build_app`` makes it a deployment. Without ``api_key`` in its args it takes the key
+    from ``$KEYSERVE_API_KEY``, if set.
 
-    async def __init__(self, args: dict[str, Any]) -> None:
+    The replica is up as soon as the engine thread starts loading the model: meanwhile
+    ``/health`` answers 503 ``{"status": "loading"}`` and requests 503 with Retry-After
+    (instead of connection refused, then the proxy's 404); a model that fails to load makes
+    ``check_health`` fail, and Serve replaces the replica."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
         config = ServeArgs.model_validate(args).serve_config()
         if config.api_key is None and os.environ.get(API_KEY_ENV):  # e.g. from a k8s Secret
-            config = config.model_copy(update={"api_key": os.environ[API_KEY_ENV]})
+            config = ServeConfig.model_validate({**config.model_dump(), "api_key": os.environ[API_KEY_ENV]})
         self.serving = OpenAIServing.from_config(config)
-        await self.serving.engine.wait_ready()
-        log.info("keyserve replica ready: %s", self.serving.model_name)
+        log.info("keyserve replica up, loading %s", self.serving.model_name)
 
     def __serve_build_asgi_app__(self):
         return create_app(self.serving)

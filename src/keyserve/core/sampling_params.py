@@ -1,7 +1,9 @@
 """Per-request generation parameters, validated at the edge.
 
 An invalid value raises ``pydantic.ValidationError`` whose message names the field and the
-allowed range; the engine never sees it.
+allowed range; the engine never sees it. Every number is finite and bounded here, by limits
+that hold for any model; the serving layer adds the bounds that depend on the loaded model
+(vocabulary size, context length) before a request reaches the engine.
 """
 
 from __future__ import annotations
@@ -22,17 +24,27 @@ TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 class SamplingParams(BaseModel):
     """What to sample and when to stop (OpenAI's fields plus vLLM's and keyserve's own)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     n: int = Field(1, ge=1, le=64, description="Samples per prompt; they share the prompt's KV.")
     max_tokens: int = Field(16, ge=1, le=1_000_000, description="Tokens to generate at most.")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
+    top_k: int = Field(
+        0, ge=0, le=INT64_MAX,
+        description="Keep the k most likely tokens; 0 disables (a k at or above the vocabulary "
+        "size is the same as 0).",
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p * p_max.")
-    seed: int | None = Field(None, ge=0, lt=2**63, description="Per-request seed.")
-    stop: list[str] = Field(default_factory=list, description="Stop strings (not included).")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop tokens.")
+    seed: int | None = Field(None, ge=0, le=INT64_MAX, description="Per-request seed.")
+    stop: list[str] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS,
+        description=f"Stop strings (not included), at most {MAX_STOP_STRINGS} of at most "
+        f"{MAX_STOP_CHARS} characters each.",
+    )
+    stop_token_ids: list[TokenId] = Field(
+        default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description="Extra stop tokens."
+    )
     ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")
     logprobs: bool = Field(False, description="Return the log-probability of each chosen token.")
 
@@ -43,12 +55,13 @@ class SamplingParams(BaseModel):
     kv_budget: float | None = Field(
         None,
         gt=0.0,
+        le=float(2**31 - 1),
         description="Tokens kept per (layer, kv-head): a fraction of the prompt if <= 1, "
         "else an absolute token count.",
     )
     recent_ratio: float = Field(0.3, ge=0.0, le=1.0, description="Share of the budget kept recent.")
-    tau_init: float = Field(1.0, gt=0.0, description="Keyformer's initial Gumbel temperature.")
-    tau_end: float = Field(2.0, gt=0.0, description="Keyformer's final Gumbel temperature.")
+    tau_init: float = Field(1.0, gt=0.0, le=100.0, description="Keyformer's initial Gumbel temperature.")
+    tau_end: float = Field(2.0, gt=0.0, le=100.0, description="Keyformer's final Gumbel temperature.")
 
     # Speculative sampling (docs/algorithms.md §3).
     speculative: bool | None = Field(
@@ -72,6 +85,13 @@ class SamplingParams(BaseModel):
     def _no_empty_stop(cls, value: list[str]) -> list[str]:
         if any(s == "" for s in value):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in value):
+            raise ValueError(f"stop strings must have at most {MAX_STOP_CHARS} characters")
+        for s in value:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("stop strings must be valid Unicode (no lone surrogates)") from None
         return value
 
     @field_validator("kv_budget")
