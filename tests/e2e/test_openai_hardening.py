@@ -362,6 +362,44 @@ def test_health_is_503_while_the_model_loads(stories_path: str) -> None:
         engine.shutdown()
 
 
+def test_the_serve_replica_is_up_while_its_model_loads(stories_path: str, monkeypatch) -> None:
+    """The Ray Serve deployment class (plain Python until ``build_app`` wraps it) returns from
+    its constructor while the model still loads, so Serve routes to it and /health says 503
+    loading instead of the proxy's 404; the load is held on a gate."""
+    from keyserve.cluster.serve_app import KeyserveDeployment
+    from keyserve.engine import llm_engine
+
+    gate = threading.Event()
+    real_init = llm_engine.LLMEngine.__init__
+
+    def gated_init(self, *args, **kwargs):
+        assert gate.wait(120)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", gated_init)
+    made: list[KeyserveDeployment] = []
+    ctor = threading.Thread(target=lambda: made.append(KeyserveDeployment({"model": stories_path, "num_blocks": 64})))
+    ctor.start()
+    ctor.join(60)
+    try:
+        assert made and not ctor.is_alive(), "the replica's constructor waited for the model"
+        [replica] = made
+        server = UvicornThread(replica.__serve_build_asgi_app__()).start()
+        try:
+            r = httpx.get(server.url + "/health")
+            assert r.status_code == 503 and r.json() == {"status": "loading"}
+            asyncio.run(replica.check_health())  # loading is healthy: Serve keeps the replica
+            gate.set()
+            assert replica.serving.engine.wait_ready_blocking(120)
+            assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+        finally:
+            server.stop()
+    finally:
+        gate.set()
+        for replica in made:
+            replica.serving.engine.shutdown()
+
+
 # ------------------------------------------------------------ disconnects
 def test_disconnects_are_aborts_not_errors(server: LiveServer, caplog) -> None:
     server.wait_idle()

@@ -19,6 +19,8 @@ from keyserve.cluster.serve_app import ServeArgs, build_app
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own pydantic use
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve_config.yaml"
 KEY = "sk-serve-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+STARTUP_HEALTH: list[tuple[int, dict]] = []  # /health as seen from serve.run's return to ready
 
 
 def example_app() -> dict:
@@ -55,18 +57,41 @@ def serve_url(stories_path: str):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = {**example_app()["args"], "model": stories_path, "num_blocks": 256, "api_key": KEY}
         serve.run(build_app(args), name="keyserve", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        STARTUP_HEALTH.extend(wait_healthy(url))
+        yield url
         serve.shutdown()
     finally:
         ray.shutdown()
+
+
+def wait_healthy(url: str, timeout: float = 300.0) -> list[tuple[int, dict]]:
+    """Poll /health until 200; every answer on the way (the replica comes up before its model)."""
+    seen: list[tuple[int, dict]] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.get(url + "/health", timeout=30)
+        seen.append((r.status_code, r.json() if r.headers.get("content-type") == "application/json" else {}))
+        if r.status_code == 200:
+            return seen
+        assert time.monotonic() < deadline, seen[-5:]
+        time.sleep(0.1)
 
 
 def metrics(url: str) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
         for s in family.samples:
-            out[s.name + (f"{{{s.labels['finished_reason']}}}" if "finished_reason" in s.labels else "")] = s.value
+            label = s.labels.get("finished_reason") or s.labels.get("status")
+            out[s.name + (f"{{{label}}}" if label else "")] = s.value
     return out
+
+
+def replica_logs() -> str:
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    return "\n".join(p.read_text(errors="replace") for p in logs.glob("replica_*.log"))
 
 
 def test_openai_client_through_ray_serve(serve_url: str) -> None:
@@ -111,6 +136,52 @@ def test_disconnect_through_ray_serve_aborts(serve_url: str) -> None:
         time.sleep(0.2)
 
 
+def test_health_while_the_replica_loads(serve_url: str) -> None:
+    """From serve.run's return on, /health answered 503 {"status": "loading"} or 200 -- never
+    the proxy's 404 or a refused connection (the replica is up before its model)."""
+    assert STARTUP_HEALTH[-1] == (200, {"status": "ok"})
+    assert all(seen in ((503, {"status": "loading"}), (200, {"status": "ok"})) for seen in STARTUP_HEALTH), STARTUP_HEALTH
+
+
+def test_disconnects_through_ray_serve_are_aborts_not_errors(serve_url: str) -> None:
+    """A client that leaves mid-stream or while a non-streaming request generates: both count
+    in request_aborted_total, none in request_rejected_total{status="500"}, and the replica
+    logs no unhandled error."""
+    before = metrics(serve_url)
+    body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True}
+    with httpx.stream("POST", serve_url + "/v1/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=60) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(serve_url + "/v1/completions", json={**body, "n": 4}, headers=AUTH, timeout=0.5)
+    deadline = time.monotonic() + 60
+    while True:
+        m = metrics(serve_url)
+        idle = m["keyserve:num_requests_running"] == 0 and m["keyserve:kv_cache_usage_perc"] == 0.0
+        if idle and m["keyserve:request_aborted_total"] >= before["keyserve:request_aborted_total"] + 2:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.2)
+    assert m["keyserve:request_aborted_total"] == before["keyserve:request_aborted_total"] + 2
+    assert m["keyserve:request_success_total{abort}"] >= before.get("keyserve:request_success_total{abort}", 0) + 2
+    assert m.get("keyserve:request_rejected_total{500}", 0.0) == 0.0
+    logs = replica_logs()
+    assert "unhandled error" not in logs and "Exception in ASGI application" not in logs
+
+
+def test_models_retrieve_and_docs_auth_through_ray_serve(serve_url: str) -> None:
+    from openai import NotFoundError, OpenAI
+
+    client = OpenAI(base_url=serve_url + "/v1", api_key=KEY, max_retries=0)
+    [model] = [m.id for m in client.models.list().data]
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(NotFoundError):
+        client.models.retrieve("gpt-17")
+    assert httpx.get(serve_url + "/openapi.json", timeout=30).status_code == 401
+    schema = httpx.get(serve_url + "/openapi.json", headers=AUTH, timeout=30).json()
+    assert "requestBody" in schema["paths"]["/v1/completions"]["post"]
+
+
 def test_tensor_parallel_app_through_ray_serve(serve_url: str, stories_path: str) -> None:
     """tp=2: the replica runs the Ray engine's front; two shard actors hold the weights."""
     from openai import OpenAI
@@ -120,6 +191,7 @@ def test_tensor_parallel_app_through_ray_serve(serve_url: str, stories_path: str
             "served_model_name": "stories-tp2", "deployment_name": "KeyserveTP2"}
     serve.run(build_app(args), name="keyserve-tp2", route_prefix="/tp2")
     try:
+        wait_healthy(serve_url + "/tp2")
         client = OpenAI(base_url=serve_url + "/tp2/v1", api_key="unused", max_retries=0)
         tp2 = client.completions.create(model="stories-tp2", prompt="Once upon a time", max_tokens=12, temperature=0)
         one = OpenAI(base_url=serve_url + "/v1", api_key=KEY, max_retries=0).completions.create(
