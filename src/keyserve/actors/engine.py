@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 class RayEngine(LLMEngine):
     """``LLMEngine`` whose KV-block manager, draft and target shards are Ray actors."""
 
+    # A lost shard or KV-block manager is recovered in ``step`` below (every request is
+    # recomputed from its tokens); any other failure is isolated by ``LLMEngine.step``.
+    engine_faults = (ShardLost, CoreLost)
+
     def __init__(self, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
         self.group: TargetGroup | None = None

@@ -416,9 +416,11 @@ class AsyncLLMEngine:
                     outputs = self.engine.step()
                     failures = 0
                 except Exception as e:  # noqa: BLE001 — isolate the failure to these requests
+                    # One request's own fault never gets here: the engine fails it alone inside
+                    # the step (its output's ``error``). This is a fault of the step itself.
                     failures += 1
                     log.exception("engine step failed (%d in a row)", failures)
-                    self._fail_all(EngineStepError(f"engine step failed: {e!r}"))
+                    self._fail_step(e)
                     if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         raise
                     continue
@@ -479,12 +481,18 @@ class AsyncLLMEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Publish the stats, then hand a step's outputs to their event loops: one wake-up per
-        loop per step. (Stats first: whoever sees a request finish sees its blocks freed.)"""
+        loop per step. (Stats first: whoever sees a request finish sees its blocks freed.)
+        A request that failed alone in the step (``out.error``) gets its error instead."""
         by_loop: dict[asyncio.AbstractEventLoop, list[RequestOutput]] = {}
+        failed: list[tuple[str, asyncio.AbstractEventLoop, BaseException]] = []
         for out in outputs:
             loop = self._loops.get(out.request_id)
             if out.finished:
                 self._loops.pop(out.request_id, None)
+                if out.error is not None:
+                    if loop is not None:
+                        failed.append((out.request_id, loop, out.error))
+                    continue
                 c = self._counters
                 c.kv_tokens_evicted += out.stats.kv_tokens_evicted
                 c.prompt_tokens += out.stats.prompt_tokens
@@ -492,6 +500,8 @@ class AsyncLLMEngine:
             if loop is not None:
                 by_loop.setdefault(loop, []).append(out)
         self._publish_stats()
+        for rid, loop, error in failed:
+            self._fail(rid, loop, error)
         for loop, outs in by_loop.items():
             try:
                 loop.call_soon_threadsafe(self._on_outputs, outs)
@@ -499,6 +509,25 @@ class AsyncLLMEngine:
                 for out in outs:
                     if not out.finished:
                         self.engine.abort(out.request_id)
+
+    def _fail_step(self, error: Exception) -> None:
+        """A step raised. ``StepFailedError``: the engine aborted the requests that step ran
+        and recovered; only they fail. Anything else (another engine, a fault before the
+        engine could recover): every request in flight fails."""
+        from keyserve.engine.llm_engine import StepFailedError
+
+        failure = EngineStepError(f"engine step failed: {error}")
+        if not isinstance(error, StepFailedError):
+            self._fail_all(failure)
+            return
+        try:
+            self._publish_stats()
+        except Exception:  # noqa: BLE001 — the errors must still go out
+            log.exception("stats after a failed step")
+        for rid in error.request_ids:
+            loop = self._loops.get(rid)
+            if loop is not None:
+                self._fail(rid, loop, failure)
 
     def _fail_all(self, error: BaseException, abort: bool = True) -> None:
         """Abort every request in flight and raise ``error`` in their streams."""

@@ -25,6 +25,7 @@ that), the mirror is dropped and re-prefilled from the target's tokens.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,8 @@ from keyserve.core.sequence import Sequence
 from keyserve.engine.kv_budget import resolve_budget
 from keyserve.engine.model_runner import ModelRunner
 from keyserve.engine.step_input import CompactOp, SeqInfo, SettleOp, StepInput, logits_step_input
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,6 +83,7 @@ class DraftWorker:
         self.generators: dict[int, torch.Generator | None] = {}
         self.specs: dict[int, BudgetSpec] = {}  # target seq_id -> the budget of its mirror
         self.settled: dict[int, int] = {}  # target seq_id -> tokens valid at the last settle
+        self.undraftable: set[int] = set()  # target seq_ids whose drafting raised: never drafted
 
     # --------------------------------------------------------------- mirrors
     def _sync(self, target: Sequence) -> Sequence:
@@ -153,6 +157,7 @@ class DraftWorker:
         return self.block_manager.allocate_slots(mirror, num_new) is not None
 
     def release(self, target: Sequence) -> None:
+        self.undraftable.discard(target.seq_id)
         mirror = self.mirrors.pop(target.seq_id, None)
         self.generators.pop(target.seq_id, None)
         self.specs.pop(target.seq_id, None)
@@ -169,6 +174,7 @@ class DraftWorker:
         self.generators.clear()
         self.specs.clear()
         self.settled.clear()
+        self.undraftable.clear()
 
     def _step_input(self, plan: StepPlan, targets: dict[int, Sequence], step: int) -> StepInput:
         """The forward's input; budgeted mirrors carry their budget (spare slots once
@@ -192,7 +198,48 @@ class DraftWorker:
     @torch.inference_mode()
     def propose(self, targets: list[Sequence], num_draft: list[int]) -> Proposal:
         """Up to ``num_draft[i]`` draft tokens for each target sequence (fewer when the draft's
-        pool is full: then that sequence is verified with fewer, possibly zero, drafts)."""
+        pool is full: then that sequence is verified with fewer, possibly zero, drafts).
+
+        If the batch raises (something in one sequence: its sampling parameters, its seed),
+        every mirror in it is dropped and each sequence drafts alone (the error path); one that
+        still raises gets no drafts this step. Drafts never change what the target emits, only
+        how fast, so nobody's output depends on this. Such a sequence is not drafted again."""
+        if self.undraftable:
+            rows = [i for i, t in enumerate(targets) if t.seq_id not in self.undraftable]
+            if len(rows) < len(targets):
+                out = self._empty(len(targets), max(num_draft, default=0))
+                if rows:
+                    _put(out, rows, self._propose_guarded([targets[i] for i in rows], [num_draft[i] for i in rows]))
+                return out
+        return self._propose_guarded(targets, num_draft)
+
+    def _propose_guarded(self, targets: list[Sequence], num_draft: list[int]) -> Proposal:
+        try:
+            return self._propose(targets, num_draft)
+        except Exception:  # noqa: BLE001 — see ``propose``
+            log.warning("drafting failed; drafting each sequence alone", exc_info=True)
+        out = self._empty(len(targets), max(num_draft, default=0))
+        for target in targets:  # the failed batch may have half-advanced any of them
+            self.release(target)
+        for i, target in enumerate(targets):
+            try:
+                alone = self._propose([target], [num_draft[i]]) if len(targets) > 1 else None
+            except Exception:  # noqa: BLE001
+                alone = None
+            if alone is None:
+                log.warning("sequence %d cannot be drafted; it is verified without drafts", target.seq_id)
+                self.release(target)
+                self.undraftable.add(target.seq_id)
+                continue
+            _put(out, [i], alone)
+        return out
+
+    def _empty(self, num_seqs: int, k_max: int) -> Proposal:
+        return Proposal(torch.zeros(num_seqs, k_max, dtype=torch.int64),
+                        torch.zeros(num_seqs, k_max, self.vocab_size, dtype=torch.float32),
+                        torch.zeros(num_seqs, dtype=torch.int64))
+
+    def _propose(self, targets: list[Sequence], num_draft: list[int]) -> Proposal:
         b, k_max = len(targets), max(num_draft, default=0)
         tokens = torch.zeros(b, k_max, dtype=torch.int64)
         probs = torch.zeros(b, k_max, self.vocab_size, dtype=torch.float32)
@@ -216,6 +263,8 @@ class DraftWorker:
             order = {id(it): i for i, it in items}
             by_mirror = {it.seq.seq_id: targets[i] for i, it in items}
             result = self.runner.execute(self._step_input(plan, by_mirror, step))
+            if result.failed:  # a mirror's own budget or seed: found by drafting each alone
+                raise RuntimeError(f"the draft could not run {sorted(result.failed.values())}")
             batch = [order[id(it)] for it in plan.scheduled]
             logits = torch.cat([result.logits[mirrors[i].seq_id] for i in batch])  # [n, vocab]
             st = SamplingTensors.from_params([targets[i].params for i in batch], logits.device)
@@ -234,3 +283,12 @@ class DraftWorker:
                 m.output_token_ids.append(token)
             active = [i for i in batch if proposed[i] < num_draft[i]]
         return Proposal(tokens, probs, torch.tensor(proposed, dtype=torch.int64))
+
+
+def _put(out: Proposal, rows: list[int], part: Proposal) -> None:
+    """Copy ``part`` (one row per entry of ``rows``) into rows ``rows`` of ``out``."""
+    k = part.token_ids.shape[1]
+    index = torch.tensor(rows, dtype=torch.int64)
+    out.token_ids[index, :k] = part.token_ids
+    out.probs[index, :k] = part.probs
+    out.num_draft[index] = part.num_draft

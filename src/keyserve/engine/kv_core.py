@@ -13,6 +13,7 @@ kept and whether the sequence finished (``SeqUpdate``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -31,6 +32,8 @@ from keyserve.engine.step_input import (
     StepInput,
     step_item,
 )
+
+log = logging.getLogger(__name__)
 
 
 class SeqStat(NamedTuple):
@@ -132,11 +135,15 @@ class KVCore:
         """The next step's input (or None) and the stats of sequences it preempted."""
         spec = self.spec if speculate else None
         for seq in self.scheduler.running:
-            seq.num_lookahead = (
-                spec.lookahead(seq, self.max_model_len)  # type: ignore[attr-defined]
-                if spec is not None and seq.num_uncomputed_tokens == 1
-                else 0
-            )
+            try:
+                seq.num_lookahead = (
+                    spec.lookahead(seq, self.max_model_len)  # type: ignore[attr-defined]
+                    if spec is not None and seq.num_uncomputed_tokens == 1
+                    else 0
+                )
+            except Exception:  # noqa: BLE001 — its speculative settings: it decodes plainly
+                log.warning("no speculation for sequence %d", seq.seq_id, exc_info=True)
+                seq.num_lookahead = 0
         plan = self.scheduler.schedule()
         stats = {s.seq_id: self._stat(s) for s in plan.preempted}
         if plan.is_empty:

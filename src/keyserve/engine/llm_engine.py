@@ -11,6 +11,7 @@ stop conditions and outputs -- and every request's tokens, from which anything l
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 from keyserve.config import EngineConfig
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import FinishReason, Sequence, SequenceStatus
+from keyserve.engine.admission import EngineLimits, admit_params, check_token_ids
 from keyserve.engine.build import EngineParts, build_local_parts
 from keyserve.engine.detokenizer import IncrementalDetokenizer
 from keyserve.engine.errors import InvalidParamError, PromptTooLongError
@@ -30,6 +32,33 @@ from keyserve.engine.step_input import StepInput, StepOutput
 from keyserve.model.loader import LoadedModel
 
 __all__ = ["InvalidParamError", "LLMEngine", "PromptTooLongError"]
+
+
+log = logging.getLogger(__name__)
+
+
+class RequestFailedError(InvalidParamError):
+    """One request failed inside a step (something in it the engine could not process); it
+    alone was aborted, the step went on for the others. Carried by its last output's
+    ``error``; a 400-class error for the client (its content, not the server, is at fault)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message, param)  # type: ignore[arg-type]
+
+
+class StepFailedError(RuntimeError):
+    """A step raised outside the per-request guards. The requests it was running were aborted
+    (``request_ids``, their last ``outputs``); the engine is consistent and can step on."""
+
+    def __init__(self, message: str, request_ids: list[str], outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+        self.outputs = outputs
+
+
+def _describe(error: BaseException, limit: int = 300) -> str:
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass
@@ -131,30 +160,26 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         forced_token_ids: list[int] | None = None,
     ) -> str:
-        """Validate and queue a request; raises ValueError on bad input, leaving nothing behind."""
-        params = params or SamplingParams()
+        """Validate and queue a request; raises ValueError on bad input, leaving nothing behind.
+
+        Every parameter is checked against what this model can use (``admission``), whoever
+        the caller: a value that would overflow inside a batched step fails here, alone."""
+        params = params if params is not None else SamplingParams()
         if forced_token_ids is not None:
-            if params.n != 1 or not forced_token_ids:
+            forced_token_ids = check_token_ids(forced_token_ids, "forced_token_ids", self.vocab_size)
+            if getattr(params, "n", None) != 1 or not forced_token_ids:
                 raise ValueError("teacher forcing needs n == 1 and at least one forced token")
             params = params.model_copy(
                 update={"max_tokens": len(forced_token_ids), "speculative": False, "logprobs": True,
                         "ignore_eos": True, "stop": [], "stop_token_ids": []}
             )
-        if params.speculative and self.spec is None:
-            raise InvalidParamError(
-                "speculative=true needs a draft model (start the engine with a draft)", "speculative"
-            )
-        max_seqs = self.config.scheduler.max_num_seqs
-        if params.n > max_seqs:
-            raise InvalidParamError(f"n={params.n} exceeds the engine's max_num_seqs={max_seqs}", "n")
+        params = admit_params(params, self.limits)
         if isinstance(prompt, str) and not prompt.strip() and not prompt_token_ids:
             raise ValueError("prompt is empty")
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt, chat)
         if not token_ids:
             raise ValueError("prompt is empty (no tokens)")
-        vocab = self.vocab_size
-        if any(t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        token_ids = check_token_ids(token_ids, "prompt", self.vocab_size)
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(token_ids)} tokens but the model's context is "
@@ -178,14 +203,21 @@ class LLMEngine:
             pending_forks=seqs[1:],
             forced_token_ids=list(forced_token_ids) if forced_token_ids is not None else None,
         )
-        for seq in seqs:
+        for seq in seqs:  # everything that can raise, before anything is registered
             seq.kv_budgeted = budget_spec(seq, self.budget_defaults) is not None
             req.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        for seq in seqs:
             self._seq_owner[seq.seq_id] = req
             self._seqs[seq.seq_id] = seq
         self.requests[request_id] = req
         self.core.add([seqs[0]], seqs[1:], req.forced_token_ids)
         return request_id
+
+    @property
+    def limits(self) -> EngineLimits:
+        """What a request may ask of this engine (admission checks against it)."""
+        return EngineLimits(self.vocab_size, self.max_model_len, self.config.scheduler.max_num_seqs,
+                            self.spec is not None)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request and free its blocks."""
@@ -198,7 +230,7 @@ class LLMEngine:
                 result = self.core.finish(seq.seq_id, FinishReason.ABORT)
                 self._apply_seq_stats(result.seq_stats)
                 self._apply_ops(result.ops)
-        req.pending_forks = []
+        self._drop_pending_forks(req)
         out = self._pop_finished(req)
         self._flush_store_if_idle()  # store what the abort copied out
         return out
@@ -207,12 +239,29 @@ class LLMEngine:
         return bool(self.requests)
 
     # ------------------------------------------------------------------- step
+    # Exceptions that concern the whole engine (RayEngine: a lost shard or KV-block manager);
+    # they pass through ``step`` to the caller's own recovery.
+    engine_faults: tuple[type[BaseException], ...] = ()
+    _running_step: StepInput | None = None  # the step being run, for recovery if it raises
+
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return a snapshot of every request that made progress."""
+        """Run one scheduler step; return a snapshot of every request that made progress.
+
+        What goes wrong for one request (its sampling parameters, KV budget, seed, stop strings,
+        drafts) fails that request alone, inside the step: its output comes back finished with
+        ``error`` set, and the others carry on as if it had never been there. Anything else that
+        raises fails the requests of this step (``StepFailedError``), and the engine is left
+        consistent for the next one."""
         if self.prefix_store is not None:  # what the last step copied out, before any lookup
             self.prefix_store.flush()
-        outputs = self._step()
+        self._running_step = None
+        try:
+            outputs = self._step()
+        except Exception as e:  # noqa: BLE001 — recovered below, re-raised as StepFailedError
+            if isinstance(e, self.engine_faults):
+                raise
+            raise self._recover_failed_step(e) from e
         self._flush_store_if_idle()
         return outputs
 
@@ -227,7 +276,7 @@ class LLMEngine:
         speculate = drafter is not None and getattr(drafter, "available", True)
         scheduled = self.core.schedule(speculate)
         self._apply_seq_stats(scheduled.seq_stats)
-        step = scheduled.step
+        step = self._running_step = scheduled.step
         self.last_step_empty = step is None or step.is_empty
         if step is None:
             return []
@@ -241,13 +290,21 @@ class LLMEngine:
 
     def _propose(self, step: StepInput) -> torch.Tensor | None:
         """Draft tokens for every item with reserved lookahead, in one batched call; items the
-        draft could not serve decode plainly."""
+        draft could not serve decode plainly (so does the whole step if drafting raises: the
+        draft is an accelerator, never a reason to fail a request)."""
         verify = [it for it in step.items if it.num_lookahead]
         if not verify:
             return None
-        proposal = self.drafter.propose(
-            [self._seqs[it.seq_id] for it in verify], [it.num_lookahead for it in verify]
-        )
+        targets = [self._seqs[it.seq_id] for it in verify]
+        try:
+            proposal = self.drafter.propose(targets, [it.num_lookahead for it in verify])
+        except Exception as e:  # noqa: BLE001 — see the docstring
+            if isinstance(e, self.engine_faults):
+                raise
+            log.warning("drafting failed; this step decodes without drafts", exc_info=True)
+            for seq in targets:  # their mirrors may be half-updated: re-synced from scratch
+                self.drafter.release(seq)
+            return None
         for row, item in enumerate(verify):
             n = int(proposal.num_draft[row])
             item.draft_token_ids = proposal.token_ids[row, :n].tolist()
@@ -255,37 +312,57 @@ class LLMEngine:
         return proposal.probs
 
     def _accept(self, step: StepInput, out: StepOutput) -> list[RequestOutput]:
-        """Stop checks over the emitted tokens, then commit to the core and snapshot."""
+        """Stop checks over the emitted tokens, then commit to the core and snapshot.
+
+        A request whose sequence failed on the model side (``out.failed``) or in its own stop
+        checks here is finished with an error before the commit, so the core never counts
+        what it did in this step (nor offers its blocks as a cached prefix)."""
         now = time.monotonic()
         self._kv_stats.update(out.kv_stats)
         touched: dict[str, _Request] = {}
         for item in step.items:
             touched[self._seq_owner[item.seq_id].request_id] = self._seq_owner[item.seq_id]
+        failed = self._failed_on_model_side(out.failed) if out.failed else {}
+        items = step.items if not failed else [
+            it for it in step.items if self._seq_owner[it.seq_id].request_id not in failed
+        ]
         updates: dict[int, SeqUpdate] = {}
-        for item in step.items:
+        for item in items:
             if not (item.verifies or item.forced_token_id is not None or item.sample_seq_ids):
                 continue  # a prompt chunk that does not complete the prompt
             req = self._seq_owner[item.seq_id]
-            if item.verifies:
-                accepted = out.num_accepted[item.seq_id]
-                if self.spec is not None:
-                    self.spec.record(req.request_id, len(item.draft_token_ids), accepted)
-                updates[item.seq_id] = self._emit(req, self._seqs[item.seq_id], out, now)
-                updates[item.seq_id].num_accepted = accepted
-                updates[item.seq_id].num_draft = len(item.draft_token_ids)
-            elif item.forced_token_id is not None:
-                updates[item.seq_id] = self._emit(req, self._seqs[item.seq_id], out, now)
-            else:
-                for target_id in item.sample_seq_ids[1:]:  # siblings join once forked
-                    target = self._seqs[target_id]
-                    req.pending_forks.remove(target)
-                    req.seqs.append(target)
-                for target_id in item.sample_seq_ids:
-                    updates[target_id] = self._emit(req, self._seqs[target_id], out, now)
+            try:
+                if item.verifies:
+                    accepted = out.num_accepted[item.seq_id]
+                    if self.spec is not None:
+                        self.spec.record(req.request_id, len(item.draft_token_ids), accepted)
+                    update = updates[item.seq_id] = self._emit(req, self._seqs[item.seq_id], out, now)
+                    update.num_accepted = accepted
+                    update.num_draft = len(item.draft_token_ids)
+                elif item.forced_token_id is not None:
+                    updates[item.seq_id] = self._emit(req, self._seqs[item.seq_id], out, now)
+                else:
+                    for target_id in item.sample_seq_ids[1:]:  # siblings join once forked
+                        target = self._seqs[target_id]
+                        req.pending_forks.remove(target)
+                        req.seqs.append(target)
+                    for target_id in item.sample_seq_ids:
+                        updates[target_id] = self._emit(req, self._seqs[target_id], out, now)
+            except Exception as e:  # noqa: BLE001 — this request's stop checks; fails it alone
+                log.warning("request %s failed in its stop checks", req.request_id, exc_info=True)
+                failed[req.request_id] = RequestFailedError(
+                    f"request {req.request_id} failed in the engine step (stop checks): {_describe(e)}"
+                )
+                for seq in req.all_seqs:
+                    updates.pop(seq.seq_id, None)
+        if failed:
+            items = [it for it in step.items if self._seq_owner[it.seq_id].request_id not in failed]
+            for rid in failed:
+                self._end_failed(self.requests[rid])
         result = self.core.commit(updates)
         self._apply_seq_stats(result.seq_stats)
         self._apply_ops(result.ops)
-        for item in step.items:  # what the core just computed, also when it is another process
+        for item in items:  # what the core just computed, also when it is another process
             computed = item.start + item.num_new_tokens + out.num_accepted.get(item.seq_id, 0)
             for seq_id in [item.seq_id] + item.sample_seq_ids[1:]:
                 self._seqs[seq_id].num_computed_tokens = computed
@@ -297,7 +374,76 @@ class LLMEngine:
                 outputs.append(self._pop_finished(req))
             else:
                 outputs.append(self._snapshot(req))
+        if failed:
+            for output in outputs:
+                output.error = failed.get(output.request_id)
         return outputs
+
+    # ------------------------------------------------------- failure isolation
+    def _failed_on_model_side(self, failed: dict[int, str]) -> dict[str, RequestFailedError]:
+        """Requests with a sequence the model side could not run (a sibling fails them all)."""
+        errors: dict[str, RequestFailedError] = {}
+        for seq_id, reason in failed.items():
+            req = self._seq_owner.get(seq_id)
+            if req is not None and req.request_id not in errors:
+                log.warning("request %s failed in the engine step: %s", req.request_id, reason)
+                errors[req.request_id] = RequestFailedError(
+                    f"request {req.request_id} failed in the engine step: {reason}"
+                )
+        return errors
+
+    def _end_failed(self, req: _Request) -> None:
+        """Finish every sequence of a failed request (blocks freed, model-side state released);
+        it is popped with the step's other finished requests."""
+        for seq in req.all_seqs:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+                result = self.core.finish(seq.seq_id, FinishReason.ABORT)
+                self._apply_seq_stats(result.seq_stats)
+                self._apply_ops(result.ops)
+        self._drop_pending_forks(req)
+
+    def _drop_pending_forks(self, req: _Request) -> None:
+        """Siblings that never forked (their request ended first) are forgotten with it."""
+        for seq in req.pending_forks:
+            self._seq_owner.pop(seq.seq_id, None)
+            self._seqs.pop(seq.seq_id, None)
+        req.pending_forks = []
+
+    def _recover_failed_step(self, error: Exception) -> StepFailedError:
+        """A step raised outside every per-request guard: fail the requests it was running
+        (every request if it failed while scheduling), send the survivors back to be
+        recomputed from their tokens (a half-applied step may have left their KV or budget
+        state behind), and return the error to raise. The engine stays usable."""
+        log.error("engine step failed", exc_info=error)
+        step = self._running_step
+        if step is None:
+            doomed = list(self.requests)
+        else:
+            doomed = list(dict.fromkeys(
+                self._seq_owner[s].request_id
+                for item in step.items for s in [item.seq_id, *item.sample_seq_ids] if s in self._seq_owner
+            ))
+        outputs = []
+        for rid in doomed:
+            try:
+                out = self.abort(rid)
+            except Exception:  # noqa: BLE001 — keep failing the rest
+                log.exception("abort of %s after a failed step failed", rid)
+                continue
+            if out is not None:
+                outputs.append(out)
+        try:
+            ops = self.core.reset_model_side()
+            if ops:
+                self._apply_ops(ops)
+        except Exception as e:  # noqa: BLE001
+            if isinstance(e, self.engine_faults):
+                raise
+            log.exception("resetting the model side after a failed step failed")
+        self.last_step_empty = False
+        self._running_step = None
+        return StepFailedError(f"engine step failed: {_describe(error)}", doomed, outputs)
 
     def _emit(self, req: _Request, seq: Sequence, out: StepOutput, now: float) -> SeqUpdate:
         """Append a sequence's emitted tokens up to the first stop condition."""

@@ -11,6 +11,7 @@ parameters and generators (sampling happens here, on the driver rank), and KV-bu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -76,6 +77,13 @@ class _Rows:
             for row, per_layer in self.layer_context_lens.items():
                 lens[:, row] = torch.tensor(per_layer, dtype=torch.int32)
         return lens.to(device)
+
+    def truncate(self, num_rows: int) -> None:
+        """Drop the rows from ``num_rows`` on (a sequence that left the batch)."""
+        for rows in (self.tables, self.context_lens, self.query_lens, self.modes, self.taus):
+            del rows[num_rows:]
+        for row in [r for r in self.layer_context_lens if r >= num_rows]:
+            del self.layer_context_lens[row]
 
     def add(self, table: list[int], context_len: int, query_len: int, mode: str | None, tau: float) -> None:
         self.tables.append(table)
@@ -198,7 +206,7 @@ class ModelRunner:
         return keyformer_tau(step, p.max_tokens, p.tau_init, p.tau_end)
 
     # ----------------------------------------------------------------- inputs
-    def prepare(self, step: StepInput) -> ModelInputs:
+    def prepare(self, step: StepInput, failed: dict[int, str] | None = None) -> ModelInputs | None:
         """Pack the step's tokens; budgeted sequences get their slots from the KV policy.
 
         Attention runs over ``[decode rows | prefill chunks]``. A budgeted sequence verifying
@@ -207,7 +215,11 @@ class ModelRunner:
         *decode* rows over its one block table, row i attending to the held slots plus the new
         ones up to its own (causal), so the kernels return its attention scores per row and
         only the accepted rows' scores are accumulated when it settles
-        (``KVBudgetTracker.settle``)."""
+        (``KVBudgetTracker.settle``).
+
+        ``failed`` (seq_id -> why) collects the budgeted sequences whose own budget could not
+        be planned; they are left out of the batch (None if nothing is left to run). Without
+        it such an error raises."""
         block = self.block_size
         budget = self.budget
         dev = self.device
@@ -233,39 +245,52 @@ class ModelRunner:
             positions.append(pos)
             last_index[item.seq_id] = row + n - 1
             rows = dec if index < n_dec or verifies else pre
-            state = budget.get(item) if item.budget is not None else None
-            if item.budget is not None and (state is None or start == 0):
-                state = budget.start(item, item.budget)  # type: ignore[arg-type]
             table = item.block_table
-            if state is None:
-                logical = pos
+            if item.budget is None:
                 rows.add(table, start + n, n, None, 1.0)
-                slots.append(physical_slots(logical, torch.tensor(table, dtype=torch.int64), block))
+                slots.append(physical_slots(pos, torch.tensor(table, dtype=torch.int64), block))
                 continue
-            mode = budget.score_mode(item)
-            decoding = not budget.due_for_compaction(item)
-            score_rows.append((item, rows is dec, len(rows), n if verifies else 1))
-            if verifies:
-                if not decoding:
-                    raise RuntimeError("speculative verification of a budgeted prompt")
-                held = state.num_slots
-                logical = state.append(n)
-                budget.expect_rows(item, start)
-                for i in range(n):
-                    rows.add(table, held + i + 1, 1, mode, self._tau(item, True, offset=i))
-            elif not decoding or item.spare:
-                # Prompt phase, or the draft's speculative tokens: fresh slots, no eviction.
-                logical = state.append(n)  # [n], or [L, n] while its layers hold different counts
-                rows.add(table, state.num_slots, n, mode, self._tau(item, decoding))
-                if state.layer_held is not None:
-                    rows.layer_context_lens[len(rows) - 1] = state.layer_held.tolist()
-            else:
-                if n != 1:
-                    raise RuntimeError("a compacted sequence can only decode one token per step")
-                logical = torch.zeros(1, dtype=torch.int64)  # replaced per head below
-                per_head.append((row, item, rows, len(rows)))
-                rows.add(table, -1, 1, mode, self._tau(item, True))  # context once victims are known
-            slots.append(physical_slots(logical.cpu(), torch.tensor(table, dtype=torch.int64), block))
+            marks = (len(rows), len(score_rows), len(per_head), len(slots))
+            try:
+                state = budget.get(item)
+                if state is None or start == 0:
+                    state = budget.start(item, item.budget)  # type: ignore[arg-type]
+                mode = budget.score_mode(item)
+                decoding = not budget.due_for_compaction(item)
+                score_rows.append((item, rows is dec, len(rows), n if verifies else 1))
+                if verifies:
+                    if not decoding:
+                        raise RuntimeError("speculative verification of a budgeted prompt")
+                    held = state.num_slots
+                    logical = state.append(n)
+                    budget.expect_rows(item, start)
+                    for i in range(n):
+                        rows.add(table, held + i + 1, 1, mode, self._tau(item, True, offset=i))
+                elif not decoding or item.spare:
+                    # Prompt phase, or the draft's speculative tokens: fresh slots, no eviction.
+                    logical = state.append(n)  # [n], or [L, n] while its layers hold different counts
+                    rows.add(table, state.num_slots, n, mode, self._tau(item, decoding))
+                    if state.layer_held is not None:
+                        rows.layer_context_lens[len(rows) - 1] = state.layer_held.tolist()
+                else:
+                    if n != 1:
+                        raise RuntimeError("a compacted sequence can only decode one token per step")
+                    logical = torch.zeros(1, dtype=torch.int64)  # replaced per head below
+                    per_head.append((row, item, rows, len(rows)))
+                    rows.add(table, -1, 1, mode, self._tau(item, True))  # context once victims are known
+                slots.append(physical_slots(logical.cpu(), torch.tensor(table, dtype=torch.int64), block))
+            except Exception as e:  # noqa: BLE001 — its own budget (policy, k, Keyformer schedule)
+                # This sequence alone leaves the step: undo what it added to the batch (its
+                # half-made budget state goes when its request is aborted).
+                del ids[row:], score_rows[marks[1]:], per_head[marks[2]:], slots[marks[3]:]
+                positions.pop()
+                last_index.pop(item.seq_id)
+                rows.truncate(marks[0])
+                if failed is None:
+                    raise
+                failed[item.seq_id] = _failure("KV budget", e)
+        if not ids:  # every sequence failed
+            return None
         per_layer_slots = bool(per_head) or any(s.dim() == 2 for s in slots)
         if per_layer_slots:
             L = self.num_layers
@@ -311,9 +336,10 @@ class ModelRunner:
             score_rows=score_rows,
         )
 
-    def accumulate_scores(self, inputs: ModelInputs) -> None:
+    def accumulate_scores(self, inputs: ModelInputs, failed: dict[int, str] | None = None) -> None:
         """Add this step's attention mass to every budgeted sequence's scores; a verifying
-        sequence's per-row scores wait for the verdict (``KVBudgetTracker.settle``)."""
+        sequence's per-row scores wait for the verdict (``KVBudgetTracker.settle``). A
+        sequence whose own state refuses them goes to ``failed`` (raises without it)."""
         meta = inputs.meta
         if meta.score_mode is None:
             return
@@ -322,10 +348,15 @@ class ModelRunner:
         pre = _stack_layers([meta.scores[l][1] for l in layers]) if meta.num_prefill_seqs else None
         for item, is_dec, first, count in inputs.score_rows:
             scores = (dec if is_dec else pre)[first : first + count]  # type: ignore[index]
-            if count > 1:
-                self.budget.hold_rows(item, scores)  # [K + 1, L, H, max_ctx]
-            else:
-                self.budget.accumulate(item, scores[0])
+            try:
+                if count > 1:
+                    self.budget.hold_rows(item, scores)  # [K + 1, L, H, max_ctx]
+                else:
+                    self.budget.accumulate(item, scores[0])
+            except Exception as e:  # noqa: BLE001 — this sequence's budget state; fails it alone
+                if failed is None:
+                    raise
+                failed[item.seq_id] = _failure("KV budget scores", e)
 
     # ---------------------------------------------------------------- execute
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
@@ -374,69 +405,83 @@ class ModelRunner:
         if draft_probs is not None:
             draft_probs = draft_probs.to(self.device)
         self.apply_ops(step.ops)
+        failed: dict[int, str] = {}  # seq_id -> why (its own content); empty in a normal step
         for seq_id, info in step.seq_infos.items():
             self.seq_infos[seq_id] = info
             if seq_id not in self.generators:  # a generator's stream survives a rescheduling
-                self.generators[seq_id] = make_generator(info.params.seed, info.sample_index)
+                try:
+                    self.generators[seq_id] = make_generator(info.params.seed, info.sample_index)
+                except Exception as e:  # noqa: BLE001 — its seed; fails it alone
+                    failed[seq_id] = _failure("seed", e)
         self.copy_blocks(step.block_copies)
-        out = StepOutput()
+        out = StepOutput(failed=failed)
         if step.is_empty:
             return out
-        inputs = self.prepare(step)
+        if failed:  # a sequence that cannot even start leaves the batch before it is packed
+            step = _without(step, failed)
+        inputs = self.prepare(step, failed)
+        items = step.items if not failed else [it for it in step.items if not _touches(it, failed)]
+        if inputs is None:
+            return out
         last = inputs.last_token_index
-        verify = [it for it in step.items if it.verifies]
-        forced = [it for it in step.items if it.forced_token_id is not None]
-        sampled = [it for it in step.items if it.sample_seq_ids and not it.verifies and it.forced_token_id is None]
+        verify = [it for it in items if it.verifies]
+        forced = [it for it in items if it.forced_token_id is not None]
+        sampled = [it for it in items if it.sample_seq_ids and not it.verifies and it.forced_token_id is None]
         targets = [t for it in sampled for t in it.sample_seq_ids]
         rows = [last[it.seq_id] for it in sampled for _ in it.sample_seq_ids]
         raw: list[tuple[StepItem, int, int]] = []  # (item, first row in `rows`, count)
         for item, count in itertools.chain(
             ((it, it.num_query_tokens) for it in verify),
             ((it, 1) for it in forced),
-            ((it, it.return_logits) for it in step.items if it.return_logits),
+            ((it, it.return_logits) for it in items if it.return_logits),
         ):
             raw.append((item, len(rows), count))
             end = last[item.seq_id]
             rows.extend(range(end - count + 1, end + 1))
-        with self._keyformer_noise(step):
+        with self._keyformer_noise(items):
             if rows:
                 all_logits = self.forward_logits(inputs, rows)
             else:
                 self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
                 all_logits = None
-        self.accumulate_scores(inputs)
+        self.accumulate_scores(inputs, failed)
         if not self.is_driver:
             return out
-        for item in step.items:
+        for item in items:
             state = self.budget.states.get(item.seq_id)
             if state is not None:
                 out.kv_stats[item.seq_id] = (state.num_slots, state.num_evicted)
         if all_logits is None:
             return out
         raw_logits = {item.seq_id: all_logits[first : first + n] for item, first, n in raw}
-        for item in step.items:
+        for item in items:
             if item.return_logits:
                 out.logits[item.seq_id] = raw_logits[item.seq_id]
         for item in forced:
             token = item.forced_token_id
-            lp = torch.log_softmax(raw_logits[item.seq_id][-1].float(), dim=-1)[token]
+            try:
+                lp = torch.log_softmax(raw_logits[item.seq_id][-1].float(), dim=-1)[token]
+            except Exception as e:  # noqa: BLE001 — its forced token; fails it alone
+                failed[item.seq_id] = _failure("forced token", e)
+                continue
             out.tokens[item.seq_id] = [token]  # type: ignore[list-item]
             out.logprobs[item.seq_id] = [float(lp)]
         if targets:  # before verification: both may draw from the global RNG, in this order
             self._sample(targets, all_logits[: len(targets)], out)
         if verify:
             self._verify(verify, raw_logits, draft_probs, out)
+            verify = [it for it in verify if it.seq_id not in failed] if failed else verify
             self._settled_stats([it for it in verify if it.budget is not None], out)
         return out
 
-    def _keyformer_noise(self, step: StepInput) -> contextlib.AbstractContextManager[object]:
+    def _keyformer_noise(self, items: list[StepItem]) -> contextlib.AbstractContextManager[object]:
         """Keyformer's Gumbel noise comes from torch's generator inside the attention kernels.
         When every Keyformer sequence in the step has a seed, the forward draws it from a
         generator seeded by (seed, sample, position) of those sequences, so a seeded request
         (alone, or in the same batch) evicts the same tokens every time; the global generator
         is left where it was. Otherwise the noise is fresh."""
         keys = []
-        for item in step.items:
+        for item in items:
             if item.budget is None or item.budget.policy is not KVPolicy.KEYFORMER:
                 continue
             info = self.seq_infos.get(item.seq_id)
@@ -461,7 +506,17 @@ class ModelRunner:
             out.kv_stats[item.seq_id] = (min(held, k), state.num_evicted + max(0, held - k))
 
     def _sample(self, targets: list[int], logits: torch.Tensor, out: StepOutput) -> None:
-        """One token per target row (``logits`` [len(targets), vocab])."""
+        """One token per target row (``logits`` [len(targets), vocab]). If the batch raises,
+        each row is sampled alone (the error path) and the rows that still raise fail their
+        sequence alone. Their parameters are processed before any generator draws, so the
+        others' seeded streams are where the batch left them and each draws what it would
+        have drawn in the batch."""
+        try:
+            self._sample_rows(targets, logits, out)
+        except Exception as e:  # noqa: BLE001
+            self._per_row("sampling", e, targets, lambda i: self._sample_rows(targets[i : i + 1], logits[i : i + 1], out), out)
+
+    def _sample_rows(self, targets: list[int], logits: torch.Tensor, out: StepOutput) -> None:
         params = [self.seq_infos[t].params for t in targets]
         st = SamplingTensors.from_params(params, device=logits.device)
         want_logprobs = any(p.logprobs for p in params)
@@ -481,8 +536,18 @@ class ModelRunner:
         draft_probs: torch.Tensor | None,  # [num_drafted, max_draft, vocab]
         out: StepOutput,
     ) -> None:
+        """Rejection sampling of every verifying sequence at once; per sequence on the error
+        path, like ``_sample``."""
         if draft_probs is None:
             raise RuntimeError("a step with draft tokens needs the draft probabilities")
+        try:
+            self._verify_rows(items, raw_logits, draft_probs, out)
+        except Exception as e:  # noqa: BLE001
+            self._per_row("speculative verification", e, [it.seq_id for it in items],
+                          lambda i: self._verify_rows(items[i : i + 1], raw_logits, draft_probs, out), out)
+
+    def _verify_rows(self, items: list[StepItem], raw_logits: dict[int, torch.Tensor],
+                     draft_probs: torch.Tensor, out: StepOutput) -> None:
         results = verify_drafts(
             [raw_logits[it.seq_id] for it in items],
             draft_probs[torch.tensor([it.draft_row for it in items], dtype=torch.int64)],
@@ -495,6 +560,39 @@ class ModelRunner:
             if logprobs is not None:
                 out.logprobs[item.seq_id] = logprobs
             out.num_accepted[item.seq_id] = accepted
+
+    @staticmethod
+    def _per_row(what: str, error: Exception, seq_ids: list[int], run_row: Callable[[int], None],
+                 out: StepOutput) -> None:
+        """The error path of a batched stage: run each row alone; the rows that raise fail
+        their sequence. If none does, the batch's error was not any one row's: re-raise it."""
+        culprits = 0
+        for i, seq_id in enumerate(seq_ids):
+            try:
+                run_row(i)
+            except Exception as e:  # noqa: BLE001
+                out.failed[seq_id] = _failure(what, e)
+                culprits += 1
+        if not culprits:
+            raise error
+
+
+def _failure(what: str, error: BaseException) -> str:
+    """Why a sequence failed, for its request's error message."""
+    text = f"{what} failed: {type(error).__name__}: {error}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _touches(item: StepItem, failed: dict[int, str]) -> bool:
+    """The item runs a failed sequence (or samples into one: a sibling fails the request)."""
+    return item.seq_id in failed or any(t in failed for t in item.sample_seq_ids)
+
+
+def _without(step: StepInput, failed: dict[int, str]) -> StepInput:
+    """The step without the items that touch failed sequences (decode items stay first)."""
+    decode = [it for it in step.items[: step.num_decode] if not _touches(it, failed)]
+    rest = [it for it in step.items[step.num_decode :] if not _touches(it, failed)]
+    return dataclasses.replace(step, items=decode + rest, num_decode=len(decode))
 
 
 def _stack_layers(

@@ -43,6 +43,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     stats: RequestStats = field(default_factory=RequestStats)
+    # Set on the last output of a request that failed inside a step (it alone was aborted:
+    # finish_reason "abort"); the streaming layers raise it to the request's consumer.
+    error: Exception | None = None
 
     # The first sample's fields, for the common n == 1 case.
     @property

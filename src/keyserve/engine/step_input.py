@@ -142,6 +142,9 @@ class StepOutput:
     logits: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> [rows, vocab] f32
     kv_stats: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (held, evicted)
     execute_s: float = 0.0  # time the runner spent on the step (what orchestration adds to)
+    # seq_id -> why: sequences this step could not run or sample (their request's own content);
+    # they produced nothing and their requests are failed alone. Empty in a normal step.
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 def step_item(scheduled: ScheduledSeq, **fields: object) -> StepItem:
