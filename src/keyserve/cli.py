@@ -5,97 +5,66 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from keyserve.cluster.cli_args import FieldFlags, add_model_fields, flag_errors
 from keyserve.cluster.help_format import PlainHelpFormatter
+from keyserve.config import EngineConfig, FlatEngineConfig
 from keyserve.core.sampling_params import SamplingParams
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF directory, GGUF file, or default model name")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--draft", default=None, help="draft model for speculative sampling")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per step (K)")
-    p.add_argument("--adaptive-k", action="store_true", help="pick K from the running acceptance rate")
-    p.add_argument("--draft-kv-policy", default=None,
-                   choices=["full", "window", "streaming_llm", "h2o", "keyformer"],
-                   help="KV policy of the draft's own cache (output stays exact)")
-    p.add_argument("--draft-kv-budget", type=float, default=None,
-                   help="KV budget of the draft (fraction of prompt if <= 1, else tokens)")
-    p.add_argument("--default-kv-policy", default=None,
-                   choices=["full", "window", "streaming_llm", "h2o", "keyformer"],
-                   help="KV policy for requests that name none")
-    p.add_argument("--default-kv-budget", type=float, default=None,
-                   help="KV budget for requests that give none (fraction of prompt or tokens)")
+# SamplingParams fields without a `generate` flag, and why.
+SAMPLING_NO_FLAG = {
+    "num_speculative_tokens": "one run, one engine: the engine's --num-speculative-tokens (K) "
+    "applies to every prompt",
+}
+# Engine fields whose `generate` flag has another name: --seed is the requests' own seed
+# (SamplingParams.seed), so the engine's global RNG seed is --engine-seed.
+ENGINE_RENAME = {"seed": "engine_seed"}
+# `generate` prints text for a person to read: greedy and 64 tokens unless asked otherwise
+# (SamplingParams' own defaults, the API's, are temperature 1 and 16 tokens).
+SAMPLING_DEFAULTS = {"temperature": 0.0, "max_tokens": 64}
 
 
-def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=False if args.no_prefix_caching else None,
-        draft=args.draft,
-        num_speculative_tokens=args.num_speculative_tokens,
-        adaptive_k=True if args.adaptive_k else None,
-        draft_kv_policy=args.draft_kv_policy,
-        draft_kv_budget=args.draft_kv_budget,
-        default_kv_policy=args.default_kv_policy,
-        default_kv_budget=args.default_kv_budget,
-    )
+@dataclass(frozen=True)
+class GenerateFlags:
+    """Which argparse dests of `generate` hold which SamplingParams / engine field."""
+
+    sampling: FieldFlags
+    engine: FieldFlags
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--n", type=int, default=1, help="samples per prompt")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--logprobs", action="store_true")
-    p.add_argument("--kv-policy", default=None,
-                   choices=["full", "window", "streaming_llm", "h2o", "keyformer"],
-                   help="KV eviction policy")
-    p.add_argument("--kv-budget", type=float, default=None,
-                   help="KV tokens kept per (layer, head): fraction of the prompt if <= 1, else a count")
-    p.add_argument("--recent-ratio", type=float, default=0.3, help="share of the budget kept recent")
-    p.add_argument("--no-speculative", action="store_true", help="decode without the draft")
+def add_generate_flags(p: argparse.ArgumentParser) -> GenerateFlags:
+    """Sampling flags from SamplingParams' fields, engine flags from EngineConfig's (flat)."""
+    sampling = add_model_fields(p, SamplingParams, exclude=SAMPLING_NO_FLAG, title="sampling",
+                                defaults=SAMPLING_DEFAULTS)
+    engine = add_model_fields(p, FlatEngineConfig, rename=ENGINE_RENAME)
+    flags = GenerateFlags(sampling, engine)
+    p.set_defaults(generate_flags=flags)
+    return flags
 
 
-def _sampling_params(args: argparse.Namespace):
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        n=args.n,
-        stop=args.stop,
-        logprobs=args.logprobs,
-        kv_policy=args.kv_policy,
-        kv_budget=args.kv_budget,
-        recent_ratio=args.recent_ratio,
-        speculative=False if args.no_speculative else None,
-    )
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of `generate`'s engine flags (unset ones keep EngineConfig's defaults)."""
+    return args.generate_flags.engine.build(args).engine_config()
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The SamplingParams of `generate`'s sampling flags, for every prompt."""
+    return args.generate_flags.sampling.build(args)
+
+
+GENERATE_DESCRIPTION = """Generate text from prompts, without a server.
+
+    keyserve generate --prompt "Once upon a time"                      # default model, greedy
+    keyserve generate --prompts-file p.txt --kv-policy keyformer --kv-budget 0.5 --top-k 40 --json
+    keyserve generate --tp 2 --draft /path/to/draft --prompt "Hi"      # on a Ray cluster
+
+Sampling flags are the fields of SamplingParams (per request, as in LLM.generate), engine flags
+the fields of EngineConfig (as LLM(...) takes them; keyserve serve has the same ones).
+"""
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -115,18 +84,17 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # bad flags fail before torch and the model load
+    config = engine_config(args)
+    prompts = _read_prompts(args)
     from keyserve.llm import LLM, RayLLM  # torch only once a command needs the engine
 
-    params = _sampling_params(args)
-    prompts = _read_prompts(args)
-    options = _engine_options(args)
-    if args.tp > 1 or args.address is not None:  # the Ray cluster: shards, draft, KV manager
+    if config.parallel.uses_ray:  # the Ray cluster: shards, draft, KV manager
         import ray
 
         started = not ray.is_initialized()
         try:
-            llm = RayLLM(**options, tensor_parallel_size=args.tp, address=args.address,
-                         placement_strategy=args.placement_strategy)
+            llm = RayLLM(config=config)
             try:
                 outputs = llm.generate(prompts, params, chat=args.chat, use_tqdm=len(prompts) > 1)
             finally:
@@ -135,7 +103,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if started and ray.is_initialized():
                 ray.shutdown()
     else:
-        llm = LLM(**options)
+        llm = LLM(config=config)
         outputs = llm.generate(prompts, params, chat=args.chat, use_tqdm=len(prompts) > 1)
     for out in outputs:
         if args.json:
@@ -193,22 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keyserve", description=__doc__,
                                      formatter_class=PlainHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text from prompts (in-process engine)",
+    gen = sub.add_parser("generate", help="generate text from prompts (in-process engine, or "
+                         "--tp / --address: on a Ray cluster)", description=GENERATE_DESCRIPTION,
+                         usage="%(prog)s [-h] (--prompt PROMPT | --prompts-file FILE) [flags below]",
                          formatter_class=PlainHelpFormatter)
-    _add_engine_args(gen)
-    _add_sampling_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt")
     src.add_argument("--prompts-file", help="a file: one prompt per line, or JSONL with 'prompt'")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
-    gen.add_argument("--tp", type=int, default=1,
-                     help="tensor-parallel shards; > 1 (or --address) runs on a Ray cluster")
-    gen.add_argument("--address", default=None,
-                     help="Ray cluster to join ('auto', ray://host:10001); a local one is started if none runs")
-    gen.add_argument("--placement-strategy", default="STRICT_PACK",
-                     choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
-                     help="placement of the tensor-parallel shards")
+    add_generate_flags(gen)
     gen.set_defaults(func=cmd_generate)
     distill = sub.add_parser("distill-draft", help="distil a small draft model for speculative decoding",
                              formatter_class=PlainHelpFormatter)
@@ -234,9 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValidationError as e:
-        errs = "; ".join(
-            f"{'.'.join(str(x) for x in err['loc']) or 'value'}: {err['msg']}" for err in e.errors()
-        )
+        flags = getattr(args, "generate_flags", None)
+        errs = flag_errors(e, *((flags.sampling, flags.engine) if flags else ()))
         print(f"keyserve: invalid value: {errs}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError) as e:

@@ -1,16 +1,32 @@
 """keyserve's configuration: pydantic models with a description on every field.
 
-The same models validate CLI flags, Python keyword arguments, YAML files and (later) the
-``args`` of a Ray Serve / KubeRay deployment, so a bad value fails the same way everywhere.
+The same models validate CLI flags, Python keyword arguments, YAML files and the ``args`` of a
+Ray Serve / KubeRay deployment, so a bad value fails the same way everywhere.
+
+Each engine option is defined once, in a section of ``EngineConfig``. ``FlatEngineConfig`` is
+the flat view of those fields (``max_num_seqs=32`` for ``scheduler.max_num_seqs``) made from
+their definitions, with their descriptions, defaults and ranges: ``LLM(**options)``,
+``EngineConfig.from_flat``, ``ServeConfig`` (the server = the flat engine fields + its own)
+and every command's flags are built from it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 
 from keyserve.types import KVPolicyName
 
@@ -68,7 +84,7 @@ class PrefixStoreConfig(_Strict):
     )
     host_tokens: int = Field(0, ge=0, description="Host tier: tokens (all layers) kept in host memory.")
     disk_path: str | None = Field(
-        None, description="Directory for the disk tier (a private subdirectory is made); None: the temp dir."
+        None, description="Directory for the disk tier (a private subdirectory is made); default: the temp dir."
     )
     disk_max_gb: float = Field(8.0, gt=0.0, description="Bound of the disk tier in GiB.")
     top_k_fraction: float = Field(
@@ -130,11 +146,14 @@ class ParallelConfig(_Strict):
     Ray cluster as a tensor-parallel target group, a draft actor and a KV-block manager actor."""
 
     tensor_parallel_size: int = Field(
-        1, ge=1, le=64, description="Target-model shards (one Ray actor each; 1 = one actor)."
+        1, ge=1, le=64,
+        description="Tensor-parallel shards of the target model, one Ray actor each; > 1 runs "
+        "the Ray engine (shard actors, a KV-block manager actor).",
     )
     address: str | None = Field(
-        None, description="Ray cluster to join ('auto', 'ray://host:10001', ...); None starts a "
-        "local one if none is running."
+        None, description="Ray cluster to run the engine on ('auto', 'ray://host:10001', ...), at "
+        "any tensor_parallel_size; default: in this process at size 1, else the running local Ray "
+        "or a new one."
     )
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="Placement-group strategy of the target group's shards."
@@ -146,17 +165,17 @@ class ParallelConfig(_Strict):
         0.25, ge=0.0, description="CPUs reserved per target shard (fractional is fine)."
     )
     worker_num_gpus: float | None = Field(
-        None, ge=0.0, description="GPUs per target shard; None = 1 when CUDA is available, else 0."
+        None, ge=0.0, description="GPUs per target shard; default: 1 when CUDA is available, else 0."
     )
     worker_resources: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources each target shard needs."
     )
     worker_threads: int | None = Field(
-        None, ge=1, description="torch threads per shard; None = the node's cores / shards."
+        None, ge=1, description="torch threads per shard; default: the node's cores / shards."
     )
     draft_num_cpus: float = Field(0.25, ge=0.0, description="CPUs reserved for the draft actor.")
     draft_num_gpus: float | None = Field(
-        None, ge=0.0, description="GPUs for the draft actor; None = like the shards."
+        None, ge=0.0, description="GPUs for the draft actor; default: like the shards."
     )
     draft_resources: dict[str, float] = Field(
         default_factory=dict,
@@ -214,87 +233,117 @@ class EngineConfig(_Strict):
 
     @classmethod
     def from_flat(cls, **kwargs: object) -> "EngineConfig":
-        """Build from flat keyword arguments (``model=..., block_size=..., max_num_seqs=...``),
-        routing each to its section; an unknown name is an error."""
-        sections: dict[str, dict[str, object]] = {
-            "model": {}, "cache": {}, "scheduler": {}, "spec": {}, "parallel": {}
-        }
-        top: dict[str, object] = {}
-        store: dict[str, object] = {}
-        owners = {
-            "model": ModelConfig.model_fields,
-            "cache": CacheConfig.model_fields,
-            "scheduler": SchedulerSettings.model_fields,
-            "spec": SpecConfig.model_fields,
-            "parallel": ParallelConfig.model_fields,
-        }
-        for key, value in kwargs.items():
-            if value is None:
-                continue
-            if key == "prefix_store" and isinstance(value, bool):
-                store["enabled"] = value
-                continue
-            if key.startswith("prefix_store_") and key[len("prefix_store_"):] in PrefixStoreConfig.model_fields:
-                store[key[len("prefix_store_"):]] = value
-                continue
-            for section, fields in owners.items():
-                if key in fields:
-                    sections[section][key] = value
-                    break
-            else:
-                if key in cls.model_fields and key not in owners:
-                    top[key] = value
-                else:
-                    raise ValueError(f"unknown engine option {key!r}")
-        if store:
-            top["prefix_store"] = store
-        return cls.model_validate({**sections, **top})
+        """Build from flat keyword arguments (``model=..., block_size=..., max_num_seqs=...``,
+        the names of ``FlatEngineConfig``); None leaves a field at its default, an unknown name
+        is an error."""
+        for key in kwargs:
+            if key not in FLAT_NAMES:
+                raise ValueError(f"unknown engine option {key!r}")
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        return FlatEngineConfig.model_validate(given).engine_config()
 
 
-class ServeConfig(_Strict):
-    """One OpenAI-compatible server: the engine it wraps plus the HTTP-side limits.
+# --------------------------------------------------------------------------- the flat view
+_SECTIONS: dict[str, type[_Strict]] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerSettings,
+    "spec": SpecConfig,
+    "parallel": ParallelConfig,
+    "prefix_store": PrefixStoreConfig,
+}
+# Flat names that are not the field's own: the chart, Serve args and the CLI say ``tp``.
+_RENAMED: dict[tuple[str, ...], str] = {("parallel", "tensor_parallel_size"): "tp"}
+
+
+def _flat_name(path: tuple[str, ...]) -> str:
+    """``("scheduler", "max_num_seqs")`` -> ``max_num_seqs``; the prefix store's fields keep
+    their section as a prefix (``prefix_store_host_tokens``), its ``enabled`` is ``prefix_store``."""
+    if path in _RENAMED:
+        return _RENAMED[path]
+    if path[0] == "prefix_store":
+        return "prefix_store" if path[1] == "enabled" else f"prefix_store_{path[1]}"
+    return path[-1]
+
+
+def _engine_field_paths() -> dict[str, tuple[str, ...]]:
+    paths: dict[str, tuple[str, ...]] = {}
+    for name, info in EngineConfig.model_fields.items():
+        if name in _SECTIONS:
+            candidates = [(name, field) for field in _SECTIONS[name].model_fields]
+        else:
+            candidates = [(name,)]
+        for path in candidates:
+            flat = _flat_name(path)
+            if flat in paths:  # a new field must not shadow another one's flat name
+                raise TypeError(f"EngineConfig fields {paths[flat]} and {path} share the flat name {flat!r}")
+            paths[flat] = path
+    return paths
+
+
+# Flat name -> where the field lives in EngineConfig (``("scheduler", "max_num_seqs")``).
+ENGINE_FIELD_PATHS: dict[str, tuple[str, ...]] = _engine_field_paths()
+
+
+def engine_field_info(path: tuple[str, ...]) -> FieldInfo:
+    """The definition of the EngineConfig field at ``path``."""
+    owner: type[BaseModel] = EngineConfig if len(path) == 1 else _SECTIONS[path[0]]
+    return owner.model_fields[path[-1]]
+
+
+def _flat_field(flat: str, path: tuple[str, ...]) -> tuple[Any, FieldInfo]:
+    info = engine_field_info(path)
+    extra: dict[str, Any] = {}
+    if path in _RENAMED:  # tp: the field's own name (tensor_parallel_size) is accepted too
+        extra["validation_alias"] = AliasChoices(flat, path[-1])
+    return info.annotation, FieldInfo.merge_field_infos(info, **extra)
+
+
+# Every name a flat option may be given by (``tensor_parallel_size`` as well as ``tp``).
+FLAT_NAMES: frozenset[str] = frozenset(ENGINE_FIELD_PATHS) | {path[-1] for path in _RENAMED}
+
+
+class _EngineOptions(_Strict):
+    """Base of ``FlatEngineConfig``: nests the flat fields into an ``EngineConfig``."""
+
+    def engine_config(self) -> EngineConfig:
+        """The EngineConfig these flat options describe."""
+        nested: dict[str, Any] = {}
+        for flat, path in ENGINE_FIELD_PATHS.items():
+            section = nested.setdefault(path[0], {}) if len(path) > 1 else nested
+            section[path[-1]] = getattr(self, flat)
+        return EngineConfig.model_validate(nested)
+
+    @model_validator(mode="after")
+    def _engine_consistent(self) -> "_EngineOptions":
+        """EngineConfig's checks across fields (the prefix store vs. Ray, ...) fail here too."""
+        try:
+            self.engine_config()
+        except ValidationError as e:
+            raise ValueError("; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())) from None
+        return self
+
+
+FlatEngineConfig: type[_EngineOptions] = create_model(  # type: ignore[call-overload]
+    "FlatEngineConfig",
+    __base__=_EngineOptions,
+    __module__=__name__,
+    __doc__="Every EngineConfig field under its flat name (see ENGINE_FIELD_PATHS), with the "
+    "field's own description, default and range.",
+    **{flat: _flat_field(flat, path) for flat, path in ENGINE_FIELD_PATHS.items()},
+)
+
+
+class ServeConfig(FlatEngineConfig):  # type: ignore[misc, valid-type]
+    """One OpenAI-compatible server: the engine it wraps (the fields of ``FlatEngineConfig``,
+    flat: ``max_num_seqs``, ``tp``, ``default_kv_policy``, ...) plus the HTTP-side limits.
 
     The same model validates ``keyserve serve`` flags, ``build_app(args)`` of a Ray Serve /
     KubeRay ``serveConfigV2`` application and the batch job's options.
     """
 
-    model: str | None = Field(None, description="Model to serve; None is the default model.")
     served_model_name: str | None = Field(
         None, description="Name clients put in `model`; default: the model's directory name."
-    )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights/KV dtype.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
-    tp: int = Field(
-        1, ge=1, le=64,
-        description="Tensor-parallel shards; > 1 runs the Ray engine (shard actors, KV-manager actor).",
-    )
-    max_model_len: int | None = Field(None, ge=2, description="Context length limit.")
-    block_size: int | None = Field(None, ge=1, le=256, description="Token slots per KV block.")
-    num_blocks: int | None = Field(None, ge=2, description="KV blocks in the pool.")
-    kv_cache_memory_gb: float | None = Field(None, gt=0.0, description="Memory for the KV pool.")
-    max_num_seqs: int | None = Field(None, ge=1, description="Sequences running at once.")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens per step.")
-    enable_prefix_caching: bool | None = Field(None, description="Reuse KV of identical prefixes.")
-    draft: str | None = Field(None, description="Draft model for speculative sampling.")
-    num_speculative_tokens: int | None = Field(None, ge=1, le=16, description="Draft tokens per step.")
-    adaptive_k: bool | None = Field(None, description="Pick K from the running acceptance rate.")
-    draft_kv_policy: KVPolicyName | None = Field(None, description="KV policy of the draft's own cache.")
-    draft_kv_budget: float | None = Field(
-        None, gt=0.0, description="KV budget of the draft (fraction of the prompt if <= 1, else tokens)."
-    )
-    default_kv_policy: KVPolicyName | None = Field(None, description="KV policy when a request names none.")
-    default_kv_budget: float | None = Field(None, gt=0.0, description="KV budget when a request gives none.")
-    seed: int | None = Field(None, ge=0, description="Seed of the engine's global RNG.")
-    prefix_store: bool | None = Field(None, description="Turn on the multi-tier prefix KV store (IMPRESS).")
-    prefix_store_device_tokens: int | None = Field(None, ge=0, description="Prefix store: device-tier tokens.")
-    prefix_store_host_tokens: int | None = Field(None, ge=0, description="Prefix store: host-tier tokens.")
-    prefix_store_disk_path: str | None = Field(None, description="Prefix store: disk-tier directory.")
-    prefix_store_disk_max_gb: float | None = Field(None, gt=0.0, description="Prefix store: disk bound (GiB).")
-    prefix_store_top_k_fraction: float | None = Field(
-        None, gt=0.0, le=1.0, description="Prefix store: share of tokens marked important."
-    )
-    prefix_store_eviction: Literal["importance", "lru"] | None = Field(
-        None, description="Prefix store: memory-tier eviction priority."
     )
     api_key: str | None = Field(
         None,
@@ -322,16 +371,8 @@ class ServeConfig(_Strict):
             raise ValueError("api_key must not be empty or whitespace (leave it unset for no auth)")
         return value
 
-    def engine_config(self) -> "EngineConfig":
-        """The EngineConfig this server runs (unset fields keep the engine's defaults)."""
-        names = set(ModelConfig.model_fields) | set(CacheConfig.model_fields)
-        names |= set(SchedulerSettings.model_fields) | set(SpecConfig.model_fields) | {"seed"}
-        flat = {k: getattr(self, k) for k in type(self).model_fields
-                if k in names or k.startswith("prefix_store")}
-        return EngineConfig.from_flat(**flat, tensor_parallel_size=self.tp if self.tp > 1 else None)
-
     def model_name(self) -> str:
         """The name clients use: served_model_name, else the model path's last part."""
         if self.served_model_name:
             return self.served_model_name
-        return Path(self.model).name.removesuffix(".gguf") if self.model else DEFAULT_MODEL
+        return Path(self.model).name.removesuffix(".gguf")

@@ -159,15 +159,14 @@ def test_fractional_draft_budget_and_batch_mixing(target: LLM, stories_path: str
 
 
 def test_cli_and_serve_flags_reach_the_spec_config() -> None:
-    from keyserve.cli import _engine_options, build_parser
+    from keyserve.cli import build_parser, engine_config
     from keyserve.cluster.serve_app import ServeArgs
     from keyserve.cluster.serve_cli import build_parser as serve_parser
     from keyserve.cluster.cli_args import model_kwargs
-    from keyserve.config import EngineConfig
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--draft", "d",
                                       "--draft-kv-policy", "keyformer", "--draft-kv-budget", "0.25"])
-    spec = EngineConfig.from_flat(**_engine_options(args)).spec
+    spec = engine_config(args).spec
     assert (spec.draft_kv_policy, spec.draft_kv_budget) == ("keyformer", 0.25)
     ns = serve_parser().parse_args(["--draft", "d", "--draft-kv-policy", "h2o", "--draft-kv-budget", "64"])
     spec = ServeArgs(**model_kwargs(ns, ServeArgs)).engine_config().spec

@@ -32,14 +32,21 @@ from typing import Any
 
 from keyserve.cluster.batch_io import DUPLICATE_CODE, InputLine, OutputBusyError, OutputLog, read_input
 from keyserve.cluster.batch_retry import RetryPolicy, is_transient
-from keyserve.cluster.cli_args import add_model_fields, model_kwargs
+from keyserve.cluster.cli_args import add_model_fields, flag_errors, model_kwargs
 from keyserve.cluster.errors import APIError, bad_request, to_api_error
 from keyserve.cluster.help_format import PlainHelpFormatter
 from keyserve.cluster.openai_serving import OpenAIServing
 from keyserve.config import ServeConfig
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-_NOT_FOR_BATCH = {"api_key", "retry_after_s", "max_queued_requests", "served_model_name", "request_timeout_s"}
+# ServeConfig fields without a batch flag, and why; every engine field has one.
+NO_FLAG = {
+    "api_key": "no HTTP: the job calls the engine in its own process",
+    "retry_after_s": "no HTTP clients to tell; the job retries transient failures itself",
+    "max_queued_requests": "set from --concurrency (the requests the job keeps in flight)",
+    "served_model_name": "records name the model the job loads",
+    "request_timeout_s": "--timeout-s (default: none) sets it for the job",
+}
 EXIT_UNFINISHED = 3
 
 
@@ -215,12 +222,20 @@ async def run_batch(serving: Any, input_path: Path, output: Path | OutputLog, co
     return summary
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m keyserve.cluster.batch_job", description=__doc__,
-                                formatter_class=PlainHelpFormatter)
+                                formatter_class=PlainHelpFormatter,
+                                usage="%(prog)s [-h] --input INPUT --output OUTPUT [flags below]")
     p.add_argument("--input", required=True, type=Path, help="OpenAI batch-format JSONL")
     p.add_argument("--output", required=True, type=Path, help="results JSONL (appended; rerun resumes)")
-    p.add_argument("--concurrency", type=int, default=None,
+    p.add_argument("--concurrency", type=_positive_int, default=None,
                    help="requests in flight (default: 2 x max_num_seqs)")
     p.add_argument("--timeout-s", type=float, default=None,
                    help="per-request limit; a timeout is transient (retried) (default: none)")
@@ -232,14 +247,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fsync", action="store_true",
                    help="do not fdatasync each record (a kill -9 still loses nothing; a power cut may)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_model_fields(p, ServeConfig, exclude=_NOT_FOR_BATCH)
+    p.set_defaults(batch_flags=add_model_fields(p, ServeConfig, exclude=NO_FLAG, title="server"))
     return p
 
 
-async def _main(args: argparse.Namespace, policy: RetryPolicy) -> BatchSummary:
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The job's ServeConfig: the model and engine flags, with --concurrency requests queued
+    and --timeout-s per request."""
     kwargs = model_kwargs(args, ServeConfig)
-    concurrency = args.concurrency or 2 * (kwargs.get("max_num_seqs") or 64)
-    config = ServeConfig(**kwargs, max_queued_requests=concurrency, request_timeout_s=args.timeout_s)
+    concurrency = args.concurrency or 2 * ServeConfig(**kwargs).max_num_seqs
+    return ServeConfig(**kwargs, max_queued_requests=concurrency, request_timeout_s=args.timeout_s)
+
+
+async def _main(args: argparse.Namespace, config: ServeConfig, policy: RetryPolicy) -> BatchSummary:
+    concurrency = config.max_queued_requests
     with OutputLog(args.output, durable=not args.no_fsync) as log:  # locked before the model loads
         serving = OpenAIServing.from_config(config)
         try:
@@ -257,9 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch: input {args.input} does not exist", file=sys.stderr)
         return 2
     try:
+        config = serve_config(args)
+    except ValidationError as e:
+        print(f"batch: invalid value: {flag_errors(e, args.batch_flags)}", file=sys.stderr)
+        return 2
+    try:
         policy = RetryPolicy(max_attempts=args.max_attempts, backoff_s=args.retry_backoff_s,
                              max_backoff_s=max(RetryPolicy.max_backoff_s, args.retry_backoff_s))
-        summary = asyncio.run(_main(args, policy))
+        summary = asyncio.run(_main(args, config, policy))
     except (ValidationError, ValueError, FileNotFoundError, OutputBusyError) as e:
         print(f"batch: {e}", file=sys.stderr)
         return 2

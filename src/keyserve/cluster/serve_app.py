@@ -29,7 +29,11 @@ API_KEY_ENV = "KEYSERVE_API_KEY"  # the replica's API key when args give none
 
 
 class ServeArgs(ServeConfig):
-    """``ServeConfig`` plus how Ray Serve places the server (the ``args`` of ``build_app``)."""
+    """``ServeConfig`` plus how Ray Serve places the server (the ``args`` of ``build_app``).
+
+    Flat, as a Serve config's ``args`` are written: the engine's fields under their flat names
+    (``model``, ``tp``, ``max_num_seqs``, ``default_kv_policy``, ...; see ``FlatEngineConfig``),
+    the server's (``api_key``, ``max_queued_requests``, ...) and these."""
 
     num_replicas: int = Field(1, ge=1, description="Replicas, each with its own engine.")
     num_cpus: float = Field(1.0, gt=0.0, description="CPUs each replica reserves (and its torch threads).")
@@ -80,8 +84,7 @@ class KeyserveDeployment:
 def deployment_options(args: ServeArgs) -> dict[str, Any]:
     ongoing = args.max_ongoing_requests
     if ongoing is None:
-        running = args.max_num_seqs or 64
-        ongoing = running + args.max_queued_requests + 16  # headroom for /health, /metrics
+        ongoing = args.max_num_seqs + args.max_queued_requests + 16  # headroom for /health, /metrics
     actor: dict[str, Any] = {"num_cpus": args.num_cpus}
     if args.num_gpus:
         actor["num_gpus"] = args.num_gpus

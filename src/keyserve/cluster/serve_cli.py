@@ -4,7 +4,9 @@
     keyserve serve --model /path/to/hf --port 8080 --api-key sk-... --max-num-seqs 32
     keyserve serve --address auto                    # deploy onto a running Ray cluster
 
-Every ``ServeArgs`` field is a flag (``--max-queued-requests``, ``--default-kv-policy``, ...).
+Every ``ServeArgs`` field is a flag (``--max-queued-requests``, ``--default-kv-policy``, ...):
+the engine's options (those of ``keyserve generate`` and ``LLM(...)``), the server's limits and
+the Serve deployment's placement, each with its own description, default and range.
 """
 
 from __future__ import annotations
@@ -15,15 +17,25 @@ import sys
 
 from pydantic import ValidationError
 
-from keyserve.cluster.cli_args import add_model_fields, model_kwargs
+from keyserve.cluster.cli_args import add_model_fields, flag_errors, model_kwargs
 from keyserve.cluster.help_format import PlainHelpFormatter
 from keyserve.cluster.launcher import RayOptions, run_serve, run_uvicorn
 from keyserve.cluster.serve_app import ServeArgs
 
 
+# ServeArgs fields without a flag here, and why.
+NO_FLAG = {
+    "address": "--address (above) names the Ray cluster the server deploys onto; its engine "
+    "runs there (a Serve config's args may still set it)",
+    "deployment_name": "one deployment per `keyserve serve`; the name matters to serveConfigV2 "
+    "overrides (Serve YAML, the Helm chart), which set it in args",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="keyserve serve", description=__doc__,
-                                formatter_class=PlainHelpFormatter)
+    p = argparse.ArgumentParser(prog="keyserve serve", description=__doc__, formatter_class=PlainHelpFormatter,
+                                usage="%(prog)s [-h] [--host HOST] [--port PORT] [--address ADDRESS] "
+                                "[--no-ray] [flags below]")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--address", default=None,
@@ -32,25 +44,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
     p.add_argument("--object-store-memory-mb", type=int, default=256, help="object store of the local Ray")
     p.add_argument("--no-ray", action="store_true", help="serve with uvicorn in this process, without Ray")
-    add_model_fields(p, ServeArgs, exclude={"deployment_name"})
+    p.set_defaults(serve_flags=add_model_fields(p, ServeArgs, exclude=NO_FLAG,
+                                                title="server and Ray Serve deployment"))
     return p
+
+
+def serve_args(ns: argparse.Namespace) -> ServeArgs:
+    """The ServeArgs of parsed flags (the API key from $KEYSERVE_API_KEY unless --api-key)."""
+    kwargs = model_kwargs(ns, ServeArgs)
+    kwargs.setdefault("api_key", os.environ.get("KEYSERVE_API_KEY") or None)
+    return ServeArgs(**kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    kwargs = model_kwargs(args, ServeArgs)
-    kwargs.setdefault("api_key", os.environ.get("KEYSERVE_API_KEY") or None)
     try:
-        serve_args = ServeArgs(**kwargs)
+        parsed = serve_args(args)
     except ValidationError as e:
-        errs = "; ".join(f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}"
-                         for err in e.errors())
-        print(f"keyserve serve: invalid value: {errs}", file=sys.stderr)
+        print(f"keyserve serve: invalid value: {flag_errors(e, args.serve_flags)}", file=sys.stderr)
         return 2
     if args.no_ray:
-        run_uvicorn(serve_args, args.host, args.port)
+        run_uvicorn(parsed, args.host, args.port)
     else:
-        run_serve(serve_args, args.host, args.port,
+        run_serve(parsed, args.host, args.port,
                   RayOptions(args.address, args.ray_num_cpus, args.object_store_memory_mb))
     return 0
 
