@@ -32,7 +32,7 @@ from typing import Any
 
 from keyserve.cluster.batch_io import DUPLICATE_CODE, InputLine, OutputBusyError, OutputLog, read_input
 from keyserve.cluster.batch_retry import RetryPolicy, is_transient
-from keyserve.cluster.cli_args import add_model_fields, flag_errors, model_kwargs
+from keyserve.cluster.cli_args import add_model_fields, flag_errors
 from keyserve.cluster.errors import APIError, bad_request, to_api_error
 from keyserve.cluster.help_format import PlainHelpFormatter
 from keyserve.cluster.openai_serving import OpenAIServing
@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The job's ServeConfig: the model and engine flags, with --concurrency requests queued
     and --timeout-s per request."""
-    kwargs = model_kwargs(args, ServeConfig)
+    kwargs = args.batch_flags.values(args)
     concurrency = args.concurrency or 2 * ServeConfig(**kwargs).max_num_seqs
     return ServeConfig(**kwargs, max_queued_requests=concurrency, request_timeout_s=args.timeout_s)
 

@@ -17,7 +17,7 @@ import sys
 
 from pydantic import ValidationError
 
-from keyserve.cluster.cli_args import add_model_fields, flag_errors, model_kwargs
+from keyserve.cluster.cli_args import add_model_fields, flag_errors
 from keyserve.cluster.help_format import PlainHelpFormatter
 from keyserve.cluster.launcher import RayOptions, run_serve, run_uvicorn
 from keyserve.cluster.serve_app import ServeArgs
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "[--no-ray] [flags below]")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--address", default=None,
+    p.add_argument("--address", dest="ray_address", default=None,
                    help="Ray cluster to deploy onto ('auto': the running one); default: $RAY_ADDRESS, "
                    "else start a local Ray")
     p.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve_args(ns: argparse.Namespace) -> ServeArgs:
     """The ServeArgs of parsed flags (the API key from $KEYSERVE_API_KEY unless --api-key)."""
-    kwargs = model_kwargs(ns, ServeArgs)
+    kwargs = ns.serve_flags.values(ns)
     kwargs.setdefault("api_key", os.environ.get("KEYSERVE_API_KEY") or None)
     return ServeArgs(**kwargs)
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         run_uvicorn(parsed, args.host, args.port)
     else:
         run_serve(parsed, args.host, args.port,
-                  RayOptions(args.address, args.ray_num_cpus, args.object_store_memory_mb))
+                  RayOptions(args.ray_address, args.ray_num_cpus, args.object_store_memory_mb))
     return 0
 
 
