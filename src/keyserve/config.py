@@ -239,8 +239,7 @@ class EngineConfig(_Strict):
         for key in kwargs:
             if key not in FLAT_NAMES:
                 raise ValueError(f"unknown engine option {key!r}")
-        given = {k: v for k, v in kwargs.items() if v is not None}
-        return FlatEngineConfig.model_validate(given).engine_config()
+        return FlatEngineConfig.model_validate(kwargs).engine_config()
 
 
 # --------------------------------------------------------------------------- the flat view
@@ -305,6 +304,15 @@ FLAT_NAMES: frozenset[str] = frozenset(ENGINE_FIELD_PATHS) | {path[-1] for path 
 
 class _EngineOptions(_Strict):
     """Base of ``FlatEngineConfig``: nests the flat fields into an ``EngineConfig``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _none_is_the_default(cls, data: Any) -> Any:
+        """An engine option given as None (``model=None``, ``max_num_seqs: null``) keeps its
+        default, as ``EngineConfig.from_flat`` and ``LLM(model=None)`` do."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in FLAT_NAMES}
+        return data
 
     def engine_config(self) -> EngineConfig:
         """The EngineConfig these flat options describe."""

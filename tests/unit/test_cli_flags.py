@@ -189,6 +189,9 @@ def test_python_api_and_serve_args_build_the_same_config() -> None:
     args = ServeArgs.model_validate({**FLAT, "tp": 2, "seed": 5, "max_queued_requests": 10})
     assert args.engine_config() == EXPECTED and args.serve_config().engine_config() == EXPECTED
     assert ServeConfig().engine_config() == EngineConfig()
+    # None for an engine option keeps its default (LLM(model=None), `max_num_seqs: null` in args).
+    assert ServeConfig(model=None, max_num_seqs=None, tp=None).engine_config() == EngineConfig()
+    assert ServeConfig(request_timeout_s=None).request_timeout_s is None  # a server field's None stays
 
 
 def test_generate_sampling_flags_build_sampling_params() -> None:
