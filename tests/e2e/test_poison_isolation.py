@@ -193,3 +193,47 @@ def test_batch_job_poison_lines_fail_alone(tmp_path: Path, stories_path: str, po
         response = records[cid]["response"]
         assert response["status_code"] == 400, (cid, response)
         assert stage is None or stage in response["body"]["error"]["message"], (cid, response)
+
+
+def test_async_engine_fails_only_the_step_a_fault_hits(stories_path: str) -> None:
+    """A fault in the forward itself (injected: no request can cause one) fails the two
+    requests of that step with ``EngineStepError``; the request waiting for a seat meanwhile
+    gets its solo output, and the engine stays alive."""
+    from keyserve.config import EngineConfig
+    from keyserve.engine.async_engine import AsyncLLMEngine, EngineStepError
+
+    engine = AsyncLLMEngine(EngineConfig.from_flat(model=stories_path, num_blocks=128, max_num_seqs=2))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    def break_next_forward() -> None:
+        runner = engine.engine.runner
+        real = runner.forward_logits
+
+        def broken(*args, **kwargs):
+            runner.forward_logits = real
+            raise RuntimeError("device fault")
+
+        runner.forward_logits = broken
+
+    async def run(text: str) -> list[int]:
+        async for out in engine.generate(text, params):
+            pass
+        return out.token_ids
+
+    async def main():
+        await engine.wait_ready(300)
+        alone = await run(prompt(3))
+        streams = [await engine.add_request(prompt(i), params) for i in range(2)]
+        waiting = asyncio.ensure_future(run(prompt(3)))
+        await engine._call(break_next_forward)  # runs between two steps, on the engine thread
+        for stream in streams:
+            with pytest.raises(EngineStepError, match="device fault"):
+                async for _ in stream:
+                    pass
+        assert await waiting == alone
+
+    try:
+        asyncio.run(main())
+        assert engine.is_alive
+    finally:
+        engine.shutdown()

@@ -28,7 +28,7 @@ from keyserve.engine.errors import InvalidParamError, PromptTooLongError
 from keyserve.engine.kv_budget import budget_spec
 from keyserve.engine.kv_core import SeqStat, SeqUpdate
 from keyserve.engine.outputs import CompletionOutput, RequestOutput, RequestStats
-from keyserve.engine.step_input import StepInput, StepOutput
+from keyserve.engine.step_input import ForkOp, StepInput, StepOutput
 from keyserve.model.loader import LoadedModel
 
 __all__ = ["InvalidParamError", "LLMEngine", "PromptTooLongError"]
@@ -54,6 +54,14 @@ class StepFailedError(RuntimeError):
         super().__init__(message)
         self.request_ids = request_ids
         self.outputs = outputs
+
+
+def _op_seq_ids(op: object) -> tuple[int, ...]:
+    """The sequences a model-side op changes (a fork: both)."""
+    if isinstance(op, ForkOp):
+        return (op.parent_id, op.child_id)
+    seq_id = getattr(op, "seq_id", None)
+    return () if seq_id is None else (seq_id,)
 
 
 def _describe(error: BaseException, limit: int = 300) -> str:
@@ -411,19 +419,18 @@ class LLMEngine:
         req.pending_forks = []
 
     def _recover_failed_step(self, error: Exception) -> StepFailedError:
-        """A step raised outside every per-request guard: fail the requests it was running
-        (every request if it failed while scheduling), send the survivors back to be
-        recomputed from their tokens (a half-applied step may have left their KV or budget
-        state behind), and return the error to raise. The engine stays usable."""
+        """A step raised outside every per-request guard: fail the requests it touched -- its
+        items, and the sequences its model-side ops named (every request if it failed while
+        scheduling) -- and return the error to raise. Nothing else was touched by the step, so
+        the others go on unchanged, and the engine stays usable."""
         log.error("engine step failed", exc_info=error)
         step = self._running_step
         if step is None:
             doomed = list(self.requests)
         else:
-            doomed = list(dict.fromkeys(
-                self._seq_owner[s].request_id
-                for item in step.items for s in [item.seq_id, *item.sample_seq_ids] if s in self._seq_owner
-            ))
+            seq_ids = [s for item in step.items for s in (item.seq_id, *item.sample_seq_ids)]
+            seq_ids += [s for op in step.ops for s in _op_seq_ids(op)]
+            doomed = list(dict.fromkeys(self._seq_owner[s].request_id for s in seq_ids if s in self._seq_owner))
         outputs = []
         for rid in doomed:
             try:
@@ -433,14 +440,6 @@ class LLMEngine:
                 continue
             if out is not None:
                 outputs.append(out)
-        try:
-            ops = self.core.reset_model_side()
-            if ops:
-                self._apply_ops(ops)
-        except Exception as e:  # noqa: BLE001
-            if isinstance(e, self.engine_faults):
-                raise
-            log.exception("resetting the model side after a failed step failed")
         self.last_step_empty = False
         self._running_step = None
         return StepFailedError(f"engine step failed: {_describe(error)}", doomed, outputs)
