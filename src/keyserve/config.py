@@ -267,7 +267,7 @@ def _flat_name(path: tuple[str, ...]) -> str:
 
 def _engine_field_paths() -> dict[str, tuple[str, ...]]:
     paths: dict[str, tuple[str, ...]] = {}
-    for name, info in EngineConfig.model_fields.items():
+    for name in EngineConfig.model_fields:
         if name in _SECTIONS:
             candidates = [(name, field) for field in _SECTIONS[name].model_fields]
         else:

@@ -146,7 +146,6 @@ class FieldFlags:
 
     model: type[BaseModel]
     fields: dict[str, str] = field(default_factory=dict)  # argparse dest -> the model's field name
-    excluded: dict[str, str] = field(default_factory=dict)  # field name -> why it has no flag
 
     def values(self, ns: argparse.Namespace) -> dict[str, Any]:
         """The flags given on the command line, as keyword arguments of ``model``."""
@@ -198,7 +197,7 @@ def add_model_fields(parser: argparse.ArgumentParser, model: type[BaseModel],
     for name, reason in excluded.items():
         if name not in model.model_fields or not reason.strip():
             raise ValueError(f"exclude {name!r}: not a field of {model.__name__}, or no reason given")
-    flags = FieldFlags(model, excluded=excluded)
+    flags = FieldFlags(model)
     for name, info in model.model_fields.items():
         if name in excluded:
             continue
