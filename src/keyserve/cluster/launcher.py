@@ -63,16 +63,33 @@ def _shutdown_serve() -> None:
 
 
 def run_uvicorn(args: ServeArgs, host: str, port: int) -> None:
-    """Serve in this process with uvicorn (no Ray); blocks until Ctrl-C."""
+    """Serve in this process with uvicorn (no Ray); blocks until Ctrl-C. The server listens
+    while the model loads (``/health`` 503 loading, as under Ray Serve); a failed load stops
+    it and raises."""
     import uvicorn
 
     serving = OpenAIServing.from_config(args.serve_config())
-    serving.engine.wait_ready_blocking()
-    print(f"keyserve: serving {serving.model_name!r} at http://{host}:{port}/v1 (uvicorn)", flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(serving), host=host, port=port, log_level="warning"))
+    failed: list[BaseException] = []
+
+    def announce_when_loaded() -> None:
+        try:
+            serving.engine.wait_ready_blocking()
+        except BaseException as e:  # noqa: BLE001 — re-raised in the main thread
+            failed.append(e)
+            server.should_exit = True
+            return
+        print(f"keyserve: serving {serving.model_name!r} at http://{host}:{port}/v1 (uvicorn)", flush=True)
+
+    print(f"keyserve: loading {serving.model_name!r}; http://{host}:{port}/health is 503 until it is "
+          "ready", flush=True)
+    threading.Thread(target=announce_when_loaded, name="keyserve-load-watch", daemon=True).start()
     try:
-        uvicorn.run(create_app(serving), host=host, port=port, log_level="warning")
+        server.run()
     finally:
         serving.engine.shutdown()
+    if failed:
+        raise failed[0]
 
 
 def _block_then(cleanup) -> None:
