@@ -99,8 +99,7 @@ def _layer0_keys(fresh: LLM, tokens: list[int]) -> torch.Tensor:  # [num_tokens,
     fe = fresh.engine
     fid = fe.add_request(tokens, _greedy(1), prompt_token_ids=tokens)
     fseq = fe.requests[fid].seqs[0]
-    plan = fe.scheduler.schedule()
-    fe.runner.execute(plan, [], {})
+    fe.runner.execute(fe.core.schedule().step)  # the prompt's forward (and its one sample)
     k_cache = fe.runner.kv_caches[0][0]
     keys = gather_kv(k_cache, torch.tensor([fseq.block_table], dtype=torch.int32), len(tokens))
     fe.abort(fid)

@@ -110,7 +110,7 @@ class PagedRunner:
     ) -> torch.Tensor:  # [num_tokens, vocab] float32, rows in packing order
         """Run one packed step and return the logits of every token in it."""
         input_ids, positions, meta = self.build(decode, prefill)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden, _ = self.model(input_ids, positions, self.kv_caches, meta)
         return self.model.compute_logits(hidden)
 
     def teacher_forced(

@@ -50,7 +50,8 @@ def test_attention_shards_sum_to_full() -> None:
         h = model.model.embed_tokens(ids)
         cos, sin = model.model.rotary(pos, h.dtype)
         with torch.inference_mode():  # as PagedRunner.step and the engine run
-            return layer.self_attn(layer.input_layernorm(h), cos, sin, runner.kv_caches[0], meta)
+            out, _ = layer.self_attn(layer.input_layernorm(h), cos, sin, runner.kv_caches[0], meta)
+            return out
 
     full = attn_out(ours_from_hf(hf))
     parts = [attn_out(ours_from_hf(hf, tp_rank=r, tp_size=2, all_reduce=_identity)) for r in range(2)]

@@ -8,7 +8,6 @@ import torch
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.scheduler import SchedulerConfig
 from keyserve.core.sequence import FinishReason, Sequence
-from keyserve.engine.kv_budget import BudgetDefaults
 from keyserve.engine.kv_core import KVCore, SeqUpdate
 
 
@@ -17,8 +16,7 @@ def greedy_with_logits(
     max_num_batched_tokens: int = 2048,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Per prompt: its greedy tokens and [prompt + max_tokens - 1, vocab] logits."""
-    core = KVCore(num_blocks, block_size, False, SchedulerConfig(max_num_batched_tokens, 64, True),
-                  BudgetDefaults(), 10_000)
+    core = KVCore(num_blocks, block_size, False, SchedulerConfig(max_num_batched_tokens, 64, True), 10_000)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     seqs = [Sequence(f"r{i}", list(p), params) for i, p in enumerate(prompts)]
     for seq in seqs:

@@ -65,7 +65,7 @@ def _check(engine: RayEngine, reference: LLM, prompts, params, got) -> None:
         assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]
     engine.flush()
     view = engine.check_consistent()
-    assert view.num_free_blocks == view.num_blocks and not view.running and not view.waiting
+    assert view.num_free_blocks == view.num_blocks and view.num_running_seqs == view.num_waiting_seqs == 0
     draft = engine.drafter_client.stats()
     assert draft["num_mirrors"] == 0 and draft["num_free_blocks"] == draft["num_blocks"]
 

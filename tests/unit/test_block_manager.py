@@ -35,10 +35,12 @@ from hypothesis.stateful import (
 
 import keyserve.core.block_manager as bm_mod
 from keyserve.core.block_manager import BlockManager, hash_block
+from keyserve.core.kv_policy import BudgetSpec
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import Sequence
 
 PARAMS = SamplingParams()
+BUDGET = BudgetSpec.create("h2o", 8)
 MAX_TOKENS = 24  # per sequence: keeps examples short while spanning several blocks
 Slot = tuple[int, ...] | tuple[str, int] | None  # a token prefix, a compaction marker, or empty
 
@@ -142,8 +144,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.prompts.append(prompt)
         self.counter += 1
         seq = Sequence(f"r{self.counter}", prompt, PARAMS)
-        # The engine marks requests with a KV budget: they neither reuse nor offer prefixes.
-        seq.kv_budgeted = data.draw(st.sampled_from([False, False, False, True]), label="budget")
+        # The engine gives requests their KV budget: they neither reuse nor offer prefixes.
+        seq.kv_budget = data.draw(st.sampled_from([None, None, None, BUDGET]), label="budget")
         cached = self.bm.find_cached_prefix(seq)
         assert not (seq.kv_budgeted and cached), "a budgeted sequence took a cached prefix"
         assert len(cached) * self.B < seq.num_tokens, "a hit must leave a token to compute"
@@ -199,7 +201,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             PARAMS,
             sample_index=parent.sample_index + 1,
             output_token_ids=list(parent.output_token_ids),
-            kv_budgeted=parent.kv_budgeted,  # the engine flags every sample of a request
+            kv_budget=parent.kv_budget,  # the engine gives every sample of a request its budget
         )
         refs = [self.bm.pool.blocks[b].ref_cnt for b in parent.block_table]
         free = self.bm.num_free_blocks

@@ -71,7 +71,8 @@ LAZY: list[Lazy] = [
 ]
 
 # What the HTTP / batch layer may import from the layers below the actors.
-ENGINE_CLIENT = {"keyserve.engine.async_engine", "keyserve.engine.outputs", "keyserve.engine.errors"}
+ENGINE_CLIENT = {"keyserve.engine.async_engine", "keyserve.engine.outputs", "keyserve.engine.errors",
+                 "keyserve.engine.stats"}
 ACTORS_CLIENT = {"keyserve.actors.engine"}  # AsyncRayEngine
 
 

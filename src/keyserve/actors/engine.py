@@ -19,7 +19,7 @@ import torch
 
 from keyserve.actors.common import CoreLost, ShardLost, ensure_ray
 from keyserve.actors.draft_worker import DraftSpec, RemoteDrafter
-from keyserve.actors.kv_manager import RemoteCore, views
+from keyserve.actors.kv_manager import RemoteCore
 from keyserve.actors.target_group import TargetGroup, worker_gpus
 from keyserve.actors.tp_worker import WorkerSpec, check_tp_fits
 from keyserve.config import EngineConfig
@@ -29,6 +29,7 @@ from keyserve.engine.draft_worker import draft_budget
 from keyserve.engine.llm_engine import LLMEngine
 from keyserve.engine.outputs import RequestOutput
 from keyserve.engine.speculative import SpeculativeDecoder
+from keyserve.engine.stats import CoreStats
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,10 @@ class RayEngine(LLMEngine):
             )
             cost = build.draft_cost_ratio(config.spec, self.drafter_client.weight_bytes, self.group.weight_bytes)
             spec = SpeculativeDecoder(self.drafter_client, config.spec, cost)
-        self.core_client = RemoteCore(build.core_args(config, num_blocks, max_model_len, budget, spec), par)
-        scheduler, block_manager = views(self.core_client)
+        self.core_client = RemoteCore(build.core_args(config, num_blocks, max_model_len, spec), par)
         return build.EngineParts(
             arch, tokenizer, max_model_len, budget, self.group, self.core_client, spec,
-            scheduler, block_manager, torch.device("cpu"),  # the shards pick their own devices
+            torch.device("cpu"),  # the shards pick their own devices
         )
 
     # ------------------------------------------------------------------ steps
@@ -139,8 +139,9 @@ class RayEngine(LLMEngine):
         if self.drafter_client is not None:
             self.drafter_client.flush()
 
-    def check_consistent(self) -> Any:
-        """Block accounting of the KV-block manager (raises if a reference leaked)."""
+    def check_consistent(self) -> CoreStats:
+        """Block accounting of the KV-block manager (raises if a reference leaked); its
+        counts after the check."""
         assert self.core_client is not None
         return self.core_client.check_consistent()
 

@@ -10,50 +10,15 @@ model-side ops a commit produces (forks, compactions, releases) ride in that ``S
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import ray
 
 from keyserve.actors.common import ACTOR_LOST, CoreLost, new_incarnation
 from keyserve.config import ParallelConfig
 from keyserve.core.sequence import FinishReason, Sequence
 from keyserve.engine.build import KVCoreArgs, build_core
-from keyserve.engine.kv_core import CommitResult, ScheduleResult, SeqStat, SeqUpdate
+from keyserve.engine.kv_core import CoreReply, SeqStat, SeqUpdate
+from keyserve.engine.stats import CoreStats
 from keyserve.engine.step_input import RunnerOp, StepInput
-
-
-@dataclass
-class SeqView:
-    request_id: str
-    seq_id: int
-
-
-@dataclass
-class CoreView:
-    """What the engine's statistics read from the scheduler and the block manager."""
-
-    running: list[SeqView] = field(default_factory=list)
-    waiting: list[SeqView] = field(default_factory=list)
-    num_preemptions: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
-
-
-@dataclass
-class StepReply:
-    step: StepInput | None
-    seq_stats: dict[int, SeqStat]
-    view: CoreView
-    incarnation: str
-    resync: bool = False  # the actor restarted: it holds none of the engine's requests
-
 
 Command = tuple  # ("add", seqs, pending, forced) | ("finish", seq_id, reason) | ("commit", updates) | ("reset",)
 
@@ -69,9 +34,14 @@ class KVManagerActor:
     def ready(self) -> str:
         return self.incarnation
 
-    def step(self, commands: list[Command], schedule: bool, speculate: bool, incarnation: str | None) -> StepReply:
+    def step(
+        self, commands: list[Command], schedule: bool, speculate: bool, incarnation: str | None
+    ) -> tuple[CoreReply, CoreStats] | None:
+        """Apply the queued commands, then (``schedule``) the next step with the model-side ops
+        accumulated since the last one, and the core's counts. None: this actor restarted and
+        holds none of the engine's requests (``incarnation`` is not its own)."""
         if incarnation not in (None, self.incarnation):
-            return StepReply(None, {}, self.view(), self.incarnation, resync=True)
+            return None
         stats: dict[int, SeqStat] = {}
         for command in commands:
             result = self._run(command)
@@ -86,41 +56,37 @@ class KVManagerActor:
                 step = StepInput([], 0, step=-1)
         if step is not None:
             step.ops, self.ops = self.ops + step.ops, []
-        return StepReply(step, stats, self.view(), self.incarnation)
+        return CoreReply(step, seq_stats=stats), self.core.stats()
 
-    def _run(self, command: Command) -> CommitResult:
+    def _run(self, command: Command) -> CoreReply:
         kind = command[0]
         if kind == "add":
             self.core.add(*command[1:])
-            return CommitResult()
+            return CoreReply()
         if kind == "finish":
             return self.core.finish(command[1], command[2])
         if kind == "commit":
             return self.core.commit(command[1])
         if kind == "reset":
             self.ops = []  # meant for model-side state that no longer exists
-            return CommitResult(self.core.reset_model_side())
+            return CoreReply(ops=self.core.reset_model_side())
         raise ValueError(f"unknown command {kind!r}")
 
-    def view(self) -> CoreView:
-        s, bm = self.core.scheduler, self.core.block_manager
-        return CoreView(
-            [SeqView(q.request_id, q.seq_id) for q in s.running],
-            [SeqView(q.request_id, q.seq_id) for q in s.waiting],
-            s.num_preemptions, bm.num_blocks, bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits,
-        )
+    def waiting_request_ids(self) -> list[str]:
+        return self.core.waiting_request_ids()
 
-    def check_consistent(self) -> CoreView:
+    def check_consistent(self) -> CoreStats:
         self.core.check_consistent()
-        return self.view()
+        return self.core.stats()
 
 
 def core_copy(seq: Sequence) -> Sequence:
-    """The scheduler side's own copy of a sequence: its tokens and identity, nothing computed."""
+    """The scheduler side's own copy of a sequence: its tokens and identity (its KV budget
+    included), nothing computed."""
     return Sequence(
         seq.request_id, list(seq.prompt_token_ids), seq.params, arrival=seq.arrival,
         sample_index=seq.sample_index, seq_id=seq.seq_id, output_token_ids=list(seq.output_token_ids),
-        num_preemptions=seq.num_preemptions, kv_budgeted=seq.kv_budgeted,
+        num_preemptions=seq.num_preemptions, kv_budget=seq.kv_budget,
     )
 
 
@@ -133,7 +99,7 @@ class RemoteCore:
         self.actor = self._create()
         self.incarnation: str | None = ray.get(self.actor.ready.remote())
         self.commands: list[Command] = []
-        self.view = CoreView(num_blocks=args.num_blocks, num_free_blocks=args.num_blocks)
+        self.last_stats = CoreStats(args.num_blocks, args.num_blocks, args.block_size)  # as of the last call
         self.num_losses = 0
 
     def _create(self):
@@ -147,34 +113,41 @@ class RemoteCore:
     def add(self, seqs: list[Sequence], pending: list[Sequence] | None = None, forced: list[int] | None = None) -> None:
         self.commands.append(("add", [core_copy(s) for s in seqs], [core_copy(s) for s in pending or []], forced))
 
-    def finish(self, seq_id: int, reason: FinishReason) -> CommitResult:
+    def finish(self, seq_id: int, reason: FinishReason) -> CoreReply:
         self.commands.append(("finish", seq_id, reason))
-        return CommitResult()
+        return CoreReply()
 
-    def commit(self, updates: dict[int, SeqUpdate]) -> CommitResult:
+    def commit(self, updates: dict[int, SeqUpdate]) -> CoreReply:
         self.commands.append(("commit", updates))
-        return CommitResult()
+        return CoreReply()
 
-    def schedule(self, speculate: bool = True) -> ScheduleResult:
-        reply = self._call(schedule=True, speculate=speculate)
-        return ScheduleResult(reply.step, reply.seq_stats)
+    def schedule(self, speculate: bool = True) -> CoreReply:
+        return self._call(schedule=True, speculate=speculate)
 
-    @property
-    def has_work(self) -> bool:
-        return self.view.has_work or any(c[0] == "add" for c in self.commands)
+    def stats(self) -> CoreStats:
+        """The core's counts as of the last step (they come back with every call)."""
+        return self.last_stats
+
+    def waiting_request_ids(self) -> list[str]:
+        """As of the last step (queued commands stay queued); none while the actor is lost:
+        the next step finds it and recovers."""
+        try:
+            return ray.get(self.actor.waiting_request_ids.remote())
+        except ACTOR_LOST:
+            return []
 
     # ------------------------------------------------------------- plumbing
-    def _call(self, schedule: bool, speculate: bool = False) -> StepReply:
+    def _call(self, schedule: bool, speculate: bool = False) -> CoreReply:
         commands, self.commands = self.commands, []
         try:
-            reply: StepReply = ray.get(self.actor.step.remote(commands, schedule, speculate, self.incarnation))
+            answer = ray.get(self.actor.step.remote(commands, schedule, speculate, self.incarnation))
         except ACTOR_LOST as e:
             self.num_losses += 1
             raise CoreLost(f"the KV-block manager died: {e}") from e
-        if reply.resync:
+        if answer is None:
             self.num_losses += 1
             raise CoreLost("the KV-block manager restarted and lost its state")
-        self.view = reply.view
+        reply, self.last_stats = answer
         return reply
 
     def flush(self) -> dict[int, SeqStat]:
@@ -199,7 +172,7 @@ class RemoteCore:
     def reset_model_side(self) -> None:
         self.commands.append(("reset",))
 
-    def check_consistent(self) -> CoreView:
+    def check_consistent(self) -> CoreStats:
         self.flush()
         return ray.get(self.actor.check_consistent.remote())
 
@@ -208,44 +181,3 @@ class RemoteCore:
             ray.kill(self.actor, no_restart=True)
         except Exception:  # noqa: BLE001
             pass
-
-
-class _SchedulerView:
-    """``engine.scheduler`` for statistics readers (e.g. the async engine)."""
-
-    def __init__(self, core: RemoteCore) -> None:
-        self._core = core
-        self.config = core.args.scheduler
-
-    @property
-    def running(self) -> list[SeqView]:
-        return self._core.view.running
-
-    @property
-    def waiting(self) -> list[SeqView]:
-        return self._core.view.waiting
-
-    @property
-    def num_preemptions(self) -> int:
-        return self._core.view.num_preemptions
-
-    @property
-    def has_work(self) -> bool:
-        return self._core.has_work
-
-
-class _BlockManagerView:
-    """``engine.block_manager`` for statistics readers: counts as of the last step."""
-
-    def __init__(self, core: RemoteCore) -> None:
-        self._core = core
-        self.block_size = core.args.block_size
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("num_blocks", "num_free_blocks", "prefix_queries", "prefix_hits"):
-            return getattr(self._core.view, name)
-        raise AttributeError(name)
-
-
-def views(core: RemoteCore) -> tuple[_SchedulerView, _BlockManagerView]:
-    return _SchedulerView(core), _BlockManagerView(core)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from keyserve.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # a type only: a Sequence needs no torch
+    from keyserve.core.kv_policy import BudgetSpec
 
 
 class SequenceStatus(enum.Enum):
@@ -51,9 +55,9 @@ class Sequence:
     # KV budgets: the most KV slots this sequence may hold (None = one slot per token). Set by
     # the KV-policy layer; the block manager never allocates blocks beyond it.
     kv_slot_cap: int | None = None
-    # A sequence under a KV budget neither reuses nor offers cached prefixes: its eviction
-    # scores need every prompt query, and its blocks will be rewritten by compaction.
-    kv_budgeted: bool = False
+    # The KV budget it runs under (None: it keeps every token), resolved once when its request
+    # is added (``engine.kv_budget.request_budget``) and carried wherever the sequence goes.
+    kv_budget: BudgetSpec | None = None
     num_lookahead: int = 0  # draft tokens to verify at the next decode step (speculation)
     kv_tokens_held: int = 0  # per (layer, kv-head), recorded when a budgeted sequence ends
     kv_tokens_evicted: int = 0
@@ -79,9 +83,24 @@ class Sequence:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` (a step's new tokens), without building the whole list."""
+        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        if end <= n:
+            return prompt[start:end]
+        return prompt[start:] + self.output_token_ids[: end - n]
+
     def kv_slots_for(self, num_tokens: int) -> int:
         """KV slots needed to hold ``num_tokens`` computed tokens under this sequence's cap."""
         return num_tokens if self.kv_slot_cap is None else min(num_tokens, self.kv_slot_cap)
+
+    @property
+    def kv_budgeted(self) -> bool:
+        """A sequence under a KV budget neither reuses nor offers cached prefixes: its eviction
+        scores need every prompt query, and its blocks will be rewritten by compaction."""
+        return self.kv_budget is not None
 
     @property
     def prefix_cacheable(self) -> bool:

@@ -29,6 +29,7 @@ from keyserve.config import EngineConfig
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.engine.errors import PromptTooLongError
 from keyserve.engine.outputs import RequestOutput
+from keyserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,37 +54,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """A step raised; the requests in flight were aborted (HTTP 500), the engine lives on."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot the engine thread publishes after every step (read by /metrics)."""
-
-    num_requests_running: int = 0
-    num_requests_waiting: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # tokens found there
-    num_preemptions: int = 0
-    kv_tokens_evicted: int = 0  # by KV budgets, over finished requests
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    prompt_tokens: int = 0  # over finished requests
-    generation_tokens: int = 0
-    num_steps: int = 0
-    prefix_store: dict[str, float] = field(default_factory=dict)  # empty when the store is off
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
-
-
-@dataclass
-class _Counters:
-    kv_tokens_evicted: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -135,8 +105,7 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self._states: dict[str, _RequestState] = {}  # loop thread only
         self._loops: dict[str, asyncio.AbstractEventLoop] = {}  # engine thread only
-        self._counters = _Counters()
-        self._stats = EngineStats()
+        self._stats = EngineStats()  # the engine's, published by the engine thread
         self._num_active = 0  # admitted and not yet finished (loop thread only)
         self._tokenizer_pool: cf.ThreadPoolExecutor | None = None  # made on first use
         self._thread = threading.Thread(target=self._run, name="keyserve-engine", daemon=True)
@@ -204,13 +173,14 @@ class AsyncLLMEngine:
 
     @property
     def max_num_seqs(self) -> int:
-        return self._require_engine().scheduler.config.max_num_seqs
+        return self._require_engine().limits.max_num_seqs
 
     @property
     def has_draft(self) -> bool:
-        return self._require_engine().spec is not None
+        return self._require_engine().limits.speculative
 
     def stats(self) -> EngineStats:
+        """The engine's ``stats()`` as of its last step (the engine thread publishes it)."""
         return self._stats
 
     def _require_engine(self) -> Any:
@@ -424,12 +394,13 @@ class AsyncLLMEngine:
                     if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         raise
                     continue
+                self._publish_stats()  # first: whoever sees a request finish sees its blocks freed
                 # Two empty steps with nothing running: what waits can never be admitted.
-                stalled = stalled + 1 if not outputs and not self.engine.scheduler.running else 0
+                stalled = stalled + 1 if not outputs and not self._stats.num_requests_running else 0
                 if stalled >= 2:
                     self._fail_unschedulable()
                     stalled = 0
-                self._deliver(outputs)
+                self._deliver(outputs, publish=False)
         except BaseException as e:  # noqa: BLE001
             log.exception("engine thread died")
             self._dead = e
@@ -479,10 +450,11 @@ class AsyncLLMEngine:
         out = self.engine.abort(request_id)
         self._deliver([out] if out is not None else [])
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Publish the stats, then hand a step's outputs to their event loops: one wake-up per
-        loop per step. (Stats first: whoever sees a request finish sees its blocks freed.)
-        A request that failed alone in the step (``out.error``) gets its error instead."""
+    def _deliver(self, outputs: list[RequestOutput], publish: bool = True) -> None:
+        """Publish the stats (unless just published), then hand a step's outputs to their
+        event loops: one wake-up per loop per step. (Stats first: whoever sees a request finish
+        sees its blocks freed.) A request that failed alone in the step (``out.error``) gets
+        its error instead."""
         by_loop: dict[asyncio.AbstractEventLoop, list[RequestOutput]] = {}
         failed: list[tuple[str, asyncio.AbstractEventLoop, BaseException]] = []
         for out in outputs:
@@ -493,13 +465,10 @@ class AsyncLLMEngine:
                     if loop is not None:
                         failed.append((out.request_id, loop, out.error))
                     continue
-                c = self._counters
-                c.kv_tokens_evicted += out.stats.kv_tokens_evicted
-                c.prompt_tokens += out.stats.prompt_tokens
-                c.generation_tokens += out.stats.generated_tokens
             if loop is not None:
                 by_loop.setdefault(loop, []).append(out)
-        self._publish_stats()
+        if publish:
+            self._publish_stats()
         for rid, loop, error in failed:
             self._fail(rid, loop, error)
         for loop, outs in by_loop.items():
@@ -516,10 +485,10 @@ class AsyncLLMEngine:
         engine could recover): every request in flight fails."""
         from keyserve.engine.llm_engine import StepFailedError
 
-        failure = EngineStepError(f"engine step failed: {error}")
         if not isinstance(error, StepFailedError):
-            self._fail_all(failure)
+            self._fail_all(EngineStepError(f"engine step failed: {error!r}"))
             return
+        failure = EngineStepError(str(error))
         try:
             self._publish_stats()
         except Exception:  # noqa: BLE001 — the errors must still go out
@@ -548,16 +517,16 @@ class AsyncLLMEngine:
 
     def _fail_unschedulable(self) -> None:
         """Nothing runs and nothing could be scheduled: the waiting requests can never fit."""
-        doomed = {s.request_id: self._loops.get(s.request_id) for s in self.engine.scheduler.waiting}.items()
+        doomed = [(rid, self._loops.get(rid)) for rid in self.engine.waiting_request_ids()]
         for rid, _ in doomed:
             self.engine.abort(rid)
         self._publish_stats()
-        bm = self.engine.block_manager
+        st = self._stats
         for rid, loop in doomed:
             if loop is not None:
                 self._fail(rid, loop, ValueError(
                     f"request {rid} cannot be scheduled: it needs more KV blocks than the pool "
-                    f"holds ({bm.num_blocks} blocks of {bm.block_size} tokens)"
+                    f"holds ({st.num_blocks} blocks of {st.block_size} tokens)"
                 ))
 
     def _fail(self, rid: str, loop: asyncio.AbstractEventLoop, error: BaseException) -> None:
@@ -568,26 +537,7 @@ class AsyncLLMEngine:
             pass
 
     def _publish_stats(self) -> None:
-        e = self.engine
-        running = {s.request_id for s in e.scheduler.running}
-        spec = e.spec.stats if e.spec is not None else None
-        c = self._counters
-        self._stats = EngineStats(
-            num_requests_running=len(running),
-            num_requests_waiting=len(e.requests) - len(running),
-            num_blocks=e.block_manager.num_blocks,
-            num_free_blocks=e.block_manager.num_free_blocks,
-            prefix_cache_queries=e.block_manager.prefix_queries,
-            prefix_cache_hits=e.block_manager.prefix_hits,
-            num_preemptions=e.scheduler.num_preemptions,
-            kv_tokens_evicted=c.kv_tokens_evicted,
-            spec_draft_tokens=spec.num_draft_tokens if spec else 0,
-            spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
-            prompt_tokens=c.prompt_tokens,
-            generation_tokens=c.generation_tokens,
-            num_steps=e.num_steps,
-            prefix_store=e.prefix_store_stats() if hasattr(e, "prefix_store_stats") else {},
-        )
+        self._stats = self.engine.stats()
 
     # ------------------------------------------------- back on the event loop
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -650,12 +600,12 @@ class _AddCommand:
     def __call__(self) -> None:
         engine = self.owner.engine
         prompt, ids = self.prompt, self.ids
-        bm = engine.block_manager
-        needed = math.ceil((len(ids) + 1) / bm.block_size) + self.params.n - 1
-        if 0 < len(ids) < engine.max_model_len and needed > bm.num_blocks:
+        pool = self.owner.stats()  # the pool's size and block size never change
+        needed = math.ceil((len(ids) + 1) / pool.block_size) + self.params.n - 1
+        if 0 < len(ids) < engine.max_model_len and needed > pool.num_blocks:
             raise ValueError(
                 f"the prompt ({len(ids)} tokens, n={self.params.n}) needs {needed} KV blocks but "
-                f"the server's pool has {bm.num_blocks}"
+                f"the server's pool has {pool.num_blocks}"
             )
         self.owner._loops[self.rid] = self.loop
         try:

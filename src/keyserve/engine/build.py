@@ -98,7 +98,8 @@ def kv_pool_blocks(cache: CacheConfig, arch: ModelConfig, dtype: torch.dtype, wo
 
 
 def budget_defaults(config: EngineConfig) -> BudgetDefaults:
-    """The KV budget of requests that name none (built once per engine)."""
+    """The KV budget of requests that name none (built once per engine, by its front: each
+    request's budget is resolved from it once, in ``LLMEngine.add_request``)."""
     return BudgetDefaults(config.cache.default_kv_policy, config.cache.default_kv_budget)
 
 
@@ -205,19 +206,17 @@ class KVCoreArgs:
     block_size: int
     enable_prefix_caching: bool
     scheduler: SchedulerConfig
-    budget_defaults: BudgetDefaults
     max_model_len: int
     speculative: SpecConfig | None  # set when a draft is configured (lookahead, adaptive K)
     draft_cost_ratio: float = 1.0
 
 
 def core_args(
-    config: EngineConfig, num_blocks: int, max_model_len: int, budget: BudgetDefaults,
-    spec: SpeculativeDecoder | None,
+    config: EngineConfig, num_blocks: int, max_model_len: int, spec: SpeculativeDecoder | None,
 ) -> KVCoreArgs:
     return KVCoreArgs(
         num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, scheduler_config(config),
-        budget, max_model_len, config.spec if spec is not None else None,
+        max_model_len, config.spec if spec is not None else None,
         spec.cost_ratio if spec is not None else 1.0,
     )
 
@@ -229,7 +228,7 @@ def build_core(args: KVCoreArgs, decoder: SpeculativeDecoder | None = None) -> K
         decoder = SpeculativeDecoder(None, args.speculative, args.draft_cost_ratio)
     return KVCore(
         args.num_blocks, args.block_size, args.enable_prefix_caching, args.scheduler,
-        args.budget_defaults, args.max_model_len, decoder,
+        args.max_model_len, decoder,
     )
 
 
@@ -242,12 +241,10 @@ class EngineParts:
     arch: ModelConfig
     tokenizer: Any
     max_model_len: int
-    budget_defaults: BudgetDefaults
+    budget_defaults: BudgetDefaults  # the engine resolves every request's budget from it
     runner: Any  # ModelRunner | TargetGroup: apply_ops(ops), execute(step, draft_probs)
-    core: Any  # KVCore | RemoteCore: add, schedule, commit, finish
+    core: Any  # KVCore | RemoteCore: add, schedule, commit, finish, stats
     spec: SpeculativeDecoder | None  # its drafter: DraftWorker | RemoteDrafter
-    scheduler: Any  # what the engine's statistics read (the core's, or a view of the actor's)
-    block_manager: Any
     device: torch.device  # of this process's model (the CPU when the model is remote)
     loaded: LoadedModel | None = None
     prefix_store: EnginePrefixStore | None = None
@@ -273,11 +270,8 @@ def build_local_parts(config: EngineConfig, loaded: LoadedModel | None = None) -
         )
         cost = draft_cost_ratio(config.spec, draft_bytes, weight_bytes(loaded.model))
         spec = SpeculativeDecoder(drafter, config.spec, cost)
-    core = build_core(core_args(config, num_blocks, max_model_len, budget, spec), spec)
+    core = build_core(core_args(config, num_blocks, max_model_len, spec), spec)
     store = None
     if config.prefix_store.enabled:  # IMPRESS: hooks itself into the core and the pool
-        store = EnginePrefixStore(config.prefix_store, core, runner, budget)
-    return EngineParts(
-        arch, loaded.tokenizer, max_model_len, budget, runner, core, spec,
-        core.scheduler, core.block_manager, device, loaded, store,
-    )
+        store = EnginePrefixStore(config.prefix_store, core, runner)
+    return EngineParts(arch, loaded.tokenizer, max_model_len, budget, runner, core, spec, device, loaded, store)

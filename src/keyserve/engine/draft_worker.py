@@ -34,11 +34,10 @@ from keyserve.config import SpecConfig
 from keyserve.core.block_manager import BlockManager
 from keyserve.core.kv_policy import BudgetSpec
 from keyserve.core.sampler import SamplingTensors, exponential_noise, make_generator, processed_probs
-from keyserve.core.scheduler import ScheduledSeq, StepPlan
 from keyserve.core.sequence import Sequence
-from keyserve.engine.kv_budget import resolve_budget
+from keyserve.engine.kv_budget.spec import resolve_budget
 from keyserve.engine.model_runner import ModelRunner
-from keyserve.engine.step_input import CompactOp, SeqInfo, SettleOp, StepInput, logits_step_input
+from keyserve.engine.step_input import CompactOp, SeqInfo, SettleOp, StepInput, StepItem
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ class DraftWorker:
             spec = self.budget.spec_for(target.num_prompt_tokens)
             if spec is not None:
                 self.specs[target.seq_id] = spec
-                mirror.kv_budgeted = True  # never offered as a cached prefix
+                mirror.kv_budget = spec  # never offered as a cached prefix
             return mirror
         old = mirror.token_ids
         # KV is valid for the computed tokens that still agree with the target. Only the tail
@@ -176,22 +175,24 @@ class DraftWorker:
         self.settled.clear()
         self.undraftable.clear()
 
-    def _step_input(self, plan: StepPlan, targets: dict[int, Sequence], step: int) -> StepInput:
-        """The forward's input; budgeted mirrors carry their budget (spare slots once
-        compacted) and, the first time, their sampling info (Keyformer's schedule)."""
-        out = logits_step_input(plan, rows=1)
-        mirrors = {s.seq.seq_id: s.seq for s in plan.scheduled}
-        for item in out.items:
-            target = targets[item.seq_id]
+    def _step_input(self, batch: list[tuple[Sequence, Sequence, int]], num_decode: int, step: int) -> StepInput:
+        """The forward's input over ``batch`` ((mirror, target, new tokens), decodes first):
+        each mirror's new tokens, and its last row's logits back. Budgeted mirrors carry their
+        budget (spare slots once compacted) and, the first time, their sampling info
+        (Keyformer's schedule)."""
+        out = StepInput([], num_decode)
+        for mirror, target, n in batch:
+            start = mirror.num_computed_tokens
+            item = StepItem(mirror.seq_id, mirror.token_slice(start, start + n), start,
+                            list(mirror.block_table), return_logits=1)
             spec = self.specs.get(target.seq_id)
-            if spec is None:
-                continue
-            mirror = mirrors[item.seq_id]
-            item.budget = spec
-            item.spare = mirror.kv_slot_cap is not None
-            item.num_output_tokens = len(target.output_token_ids) + step
-            if item.seq_id not in self.runner.seq_infos:
-                out.seq_infos[item.seq_id] = SeqInfo(target.params, target.sample_index)
+            if spec is not None:
+                item.budget = spec
+                item.spare = mirror.kv_slot_cap is not None
+                item.num_output_tokens = len(target.output_token_ids) + step
+                if item.seq_id not in self.runner.seq_infos:
+                    out.seq_infos[item.seq_id] = SeqInfo(target.params, target.sample_index)
+            out.items.append(item)
         return out
 
     # --------------------------------------------------------------- propose
@@ -247,25 +248,21 @@ class DraftWorker:
         mirrors = [self._sync(t) for t in targets]
         active = [i for i in range(b) if num_draft[i] > 0]
         for step in range(k_max):
-            items = []
+            decode, chunks = [], []  # (row, new tokens): one-token decodes first, like the target's
             for i in active:
                 m = mirrors[i]
                 n = m.num_tokens - m.num_computed_tokens
                 if not self._reserve(m, n):
                     continue  # no room in the draft pool: stop drafting for this sequence
-                items.append((i, ScheduledSeq(m, n)))
-            if not items:
+                (decode if n == 1 else chunks).append((i, n))
+            if not decode and not chunks:
                 break
-            plan = StepPlan(
-                decode=[it for _, it in items if it.num_new_tokens == 1],
-                prefill=[it for _, it in items if it.num_new_tokens > 1],
-            )
-            order = {id(it): i for i, it in items}
-            by_mirror = {it.seq.seq_id: targets[i] for i, it in items}
-            result = self.runner.execute(self._step_input(plan, by_mirror, step))
+            rows = decode + chunks
+            step_input = self._step_input([(mirrors[i], targets[i], n) for i, n in rows], len(decode), step)
+            result = self.runner.execute(step_input)
             if result.failed:  # a mirror's own budget or seed: found by drafting each alone
                 raise RuntimeError(f"the draft could not run {sorted(result.failed.values())}")
-            batch = [order[id(it)] for it in plan.scheduled]
+            batch = [i for i, _ in rows]
             logits = torch.cat([result.logits[mirrors[i].seq_id] for i in batch])  # [n, vocab]
             st = SamplingTensors.from_params([targets[i].params for i in batch], logits.device)
             p = processed_probs(logits, st)

@@ -2,10 +2,11 @@
 
 ``KVCore`` is the single owner of KV allocation for the target model: the block manager (block
 tables, ref counts, copy-on-write), the prefix-cache index, continuous batching and the
-block-level half of KV budgets (compaction frees blocks here; which tokens to keep is decided
-on the model side, per rank). Per step it is asked once for a ``StepInput`` (``schedule``) and
-told once what the step produced (``commit``); in between it holds the step in flight. The
-in-process engine calls it directly; the KV-block manager actor wraps it unchanged.
+block-level half of KV budgets (``kv_budget.compaction``: compaction frees blocks here; which
+tokens to keep is decided on the model side, per rank). Per step it is asked once for a
+``StepInput`` (``schedule``) and told once what the step produced (``commit``); in between it
+holds the step in flight. Every call answers with a ``CoreReply``. The in-process engine calls
+it directly; the KV-block manager actor wraps it unchanged.
 
 It never sees text: stop conditions are checked by the engine, which sends back the tokens it
 kept and whether the sequence finished (``SeqUpdate``).
@@ -18,20 +19,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from keyserve.core.block_manager import BlockManager
-from keyserve.core.scheduler import Scheduler, SchedulerConfig, StepPlan
+from keyserve.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, StepPlan
 from keyserve.core.sequence import FinishReason, Sequence, SequenceStatus
-from keyserve.engine.kv_budget import BudgetDefaults, budget_spec
-from keyserve.engine.step_input import (
-    CompactOp,
-    ForkOp,
-    ReleaseOp,
-    RetainOp,
-    RunnerOp,
-    SeqInfo,
-    SettleOp,
-    StepInput,
-    step_item,
-)
+from keyserve.engine.kv_budget.compaction import plan_prompt_compaction, settle_op
+from keyserve.engine.stats import CoreStats
+from keyserve.engine.step_input import ForkOp, ReleaseOp, RetainOp, RunnerOp, SeqInfo, StepInput, StepItem
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +50,12 @@ class SeqUpdate:
 
 
 @dataclass
-class ScheduleResult:
-    step: StepInput | None  # None: nothing to run
-    seq_stats: dict[int, SeqStat] = field(default_factory=dict)
+class CoreReply:
+    """What the KV core answers to ``schedule``, ``commit`` and ``finish``."""
 
-
-@dataclass
-class CommitResult:
+    step: StepInput | None = None  # ``schedule``: the next step (None: nothing to run)
     ops: list[RunnerOp] = field(default_factory=list)  # for the model side, in order
-    seq_stats: dict[int, SeqStat] = field(default_factory=dict)
+    seq_stats: dict[int, SeqStat] = field(default_factory=dict)  # sequences it changed
 
 
 @dataclass
@@ -83,13 +72,11 @@ class KVCore:
         block_size: int,
         enable_prefix_caching: bool,
         scheduler_config: SchedulerConfig,
-        budget_defaults: BudgetDefaults,
         max_model_len: int,
         spec: object | None = None,  # a SpeculativeDecoder: lookahead and adaptive K
     ) -> None:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
-        self.budget_defaults = budget_defaults
         self.max_model_len = max_model_len
         self.spec = spec
         self.seqs: dict[int, Sequence] = {}
@@ -105,10 +92,10 @@ class KVCore:
     def add(
         self, seqs: list[Sequence], pending: list[Sequence] | None = None, forced: list[int] | None = None
     ) -> None:
-        """Queue a request's sequences; ``pending`` siblings fork from ``seqs[0]`` once its
-        prompt is computed. Also how a rebuilt core gets unfinished work back."""
+        """Queue a request's sequences (their KV budget already resolved: ``Sequence.kv_budget``);
+        ``pending`` siblings fork from ``seqs[0]`` once its prompt is computed. Also how a
+        rebuilt core gets unfinished work back."""
         for seq in seqs + list(pending or []):
-            seq.kv_budgeted = budget_spec(seq, self.budget_defaults) is not None
             self.seqs[seq.seq_id] = seq
         if pending:
             self.pending[seqs[0].seq_id] = list(pending)
@@ -117,9 +104,9 @@ class KVCore:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def finish(self, seq_id: int, reason: FinishReason) -> CommitResult:
+    def finish(self, seq_id: int, reason: FinishReason) -> CoreReply:
         """End a sequence outside a step (abort); frees its blocks."""
-        result = CommitResult()
+        result = CoreReply()
         seq = self.seqs.get(seq_id)
         if seq is not None:
             self._finish(seq, reason, result.ops)
@@ -130,8 +117,20 @@ class KVCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def stats(self) -> CoreStats:
+        """The counts the engine reports (``EngineStats``)."""
+        bm, s = self.block_manager, self.scheduler
+        return CoreStats(
+            bm.num_blocks, bm.num_free_blocks, bm.block_size, bm.prefix_queries, bm.prefix_hits,
+            s.num_preemptions, len({seq.request_id for seq in s.running}), len(s.running), len(s.waiting),
+        )
+
+    def waiting_request_ids(self) -> list[str]:
+        """Requests with a sequence waiting to be admitted, in queue order."""
+        return list(dict.fromkeys(seq.request_id for seq in self.scheduler.waiting))
+
     # -------------------------------------------------------------- schedule
-    def schedule(self, speculate: bool = True) -> ScheduleResult:
+    def schedule(self, speculate: bool = True) -> CoreReply:
         """The next step's input (or None) and the stats of sequences it preempted."""
         spec = self.spec if speculate else None
         for seq in self.scheduler.running:
@@ -147,15 +146,13 @@ class KVCore:
         plan = self.scheduler.schedule()
         stats = {s.seq_id: self._stat(s) for s in plan.preempted}
         if plan.is_empty:
-            return ScheduleResult(None, stats)
+            return CoreReply(None, seq_stats=stats)
         flight = _InFlight(plan, {}, set())
         items = []
         infos: dict[int, SeqInfo] = {}
         for scheduled in plan.scheduled:
             seq = scheduled.seq
             fields: dict[str, object] = {}
-            if seq.kv_budgeted:
-                fields["budget"] = budget_spec(seq, self.budget_defaults)
             forced = self.forced.get(seq.seq_id)
             if scheduled.completes and forced is not None:
                 fields["forced_token_id"] = forced[len(seq.output_token_ids)]
@@ -166,7 +163,7 @@ class KVCore:
                     targets += self.pending.get(seq.seq_id, [])
                 flight.targets[seq.seq_id] = targets
                 fields["sample_seq_ids"] = [t.seq_id for t in targets]
-            items.append(step_item(scheduled, **fields))
+            items.append(_item(scheduled, **fields))
             for s in [seq] + flight.targets.get(seq.seq_id, []):
                 if s.seq_id not in self.known:
                     infos[s.seq_id] = SeqInfo(s.params, s.sample_index)
@@ -174,14 +171,14 @@ class KVCore:
         self.inflight = flight
         step = StepInput(items, len(plan.decode), list(plan.blocks_to_copy), infos, step=self.num_steps)
         self.num_steps += 1
-        return ScheduleResult(step, stats)
+        return CoreReply(step, seq_stats=stats)
 
     # ---------------------------------------------------------------- commit
-    def commit(self, updates: dict[int, SeqUpdate]) -> CommitResult:
+    def commit(self, updates: dict[int, SeqUpdate]) -> CoreReply:
         """Apply the step in flight: computed tokens, rollback of rejected drafts, forks of
         siblings, appended tokens, finished sequences, prompt compaction under KV budgets."""
         flight, self.inflight = self.inflight, None
-        result = CommitResult()
+        result = CoreReply()
         if flight is None:
             return result
         bm = self.block_manager
@@ -199,11 +196,8 @@ class KVCore:
                     bm.truncate(seq, seq.kv_slots_for(seq.num_computed_tokens))  # unused spare
                 continue
             seq.num_computed_tokens += up.num_accepted  # the accepted drafts' KV is valid
-            if seq.kv_slot_cap is not None:
-                # Under a budget the verified positions sit in spare slots: the model side keeps
-                # the accepted ones and evicts down to the budget (docs/algorithms.md §3) before
-                # the spare blocks are dropped below.
-                ops.append(SettleOp(seq.seq_id, list(seq.block_table), seq.num_computed_tokens))
+            if seq.kv_slot_cap is not None:  # budgeted: settled before the spare blocks go below
+                ops.append(settle_op(seq))
             bm.truncate(seq, seq.kv_slots_for(seq.num_computed_tokens))  # drop rejected slots
             if self.spec is not None and up.num_draft:
                 self.spec.adapt(seq.seq_id, up.num_draft, up.num_accepted)  # type: ignore[attr-defined]
@@ -212,7 +206,7 @@ class KVCore:
         forced = [it.seq for it in live if it.seq.seq_id in flight.forced]
         for seq in forced:
             self._apply(seq, updates[seq.seq_id], ops)
-        self._compact_prompts(forced, ops)
+        plan_prompt_compaction(bm, forced, ops, self.prefix_hook)
         sampled: list[Sequence] = []
         for item in live:
             source = item.seq
@@ -230,7 +224,7 @@ class KVCore:
                 if target.seq_id in updates:
                     self._apply(target, updates[target.seq_id], ops)
             sampled += targets
-        self._compact_prompts(sampled, ops)
+        plan_prompt_compaction(bm, sampled, ops, self.prefix_hook)
         for seq in [it.seq for it in plan.scheduled] + sampled:
             result.seq_stats[seq.seq_id] = self._stat(seq)
         return result
@@ -247,28 +241,6 @@ class KVCore:
             self._finish(seq, up.finish, ops)
             return True
         return False
-
-    def _compact_prompts(self, seqs: list[Sequence], ops: list[RunnerOp]) -> None:
-        """Prompt-phase eviction for budgeted sequences whose prompt is now computed: k tokens
-        per (layer, head) stay in the first blocks (moved by the model side), the rest are freed."""
-        bm = self.block_manager
-        for seq in seqs:
-            if seq.is_finished or not seq.kv_budgeted or seq.kv_slot_cap is not None:
-                continue
-            if self.prefix_hook is not None:
-                self.prefix_hook.on_prompt_computed(seq)  # type: ignore[attr-defined]
-            spec = budget_spec(seq, self.budget_defaults)
-            assert spec is not None and spec.budget is not None
-            k = spec.budget
-            if seq.num_computed_tokens > k:  # == the slots its budget state holds
-                copies = bm.make_writable(seq, list(range(bm.blocks_for_slots(k))))
-                if copies is None:
-                    continue  # the pool cannot copy shared blocks now; retry next step
-                ops.append(CompactOp(seq.seq_id, list(seq.block_table), k, copies))
-                bm.truncate(seq, k)
-            else:
-                ops.append(CompactOp(seq.seq_id, list(seq.block_table), k))
-            seq.kv_slot_cap = k
 
     def _finish(self, seq: Sequence, reason: FinishReason, ops: list[RunnerOp]) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -312,3 +284,19 @@ class KVCore:
         held = len(refs)
         if bm.num_free_blocks != bm.num_blocks - held:
             raise AssertionError(f"{bm.num_free_blocks} free blocks, expected {bm.num_blocks - held}")
+
+
+def _item(scheduled: ScheduledSeq, **fields: object) -> StepItem:
+    """The message for one scheduled sequence (its new tokens read from the sequence)."""
+    seq, start = scheduled.seq, scheduled.start
+    return StepItem(
+        seq_id=seq.seq_id,
+        token_ids=seq.token_slice(start, start + scheduled.num_new_tokens),
+        start=start,
+        block_table=list(seq.block_table),
+        num_lookahead=scheduled.num_lookahead,
+        draft_token_ids=list(scheduled.draft_token_ids),
+        num_output_tokens=len(seq.output_token_ids),
+        budget=seq.kv_budget,
+        **fields,  # type: ignore[arg-type]
+    )

@@ -25,9 +25,10 @@ from keyserve.engine.admission import EngineLimits, admit_params, check_token_id
 from keyserve.engine.build import EngineParts, build_local_parts
 from keyserve.engine.detokenizer import IncrementalDetokenizer
 from keyserve.engine.errors import InvalidParamError, PromptTooLongError
-from keyserve.engine.kv_budget import budget_spec
+from keyserve.engine.kv_budget.spec import request_budget
 from keyserve.engine.kv_core import SeqStat, SeqUpdate
 from keyserve.engine.outputs import CompletionOutput, RequestOutput, RequestStats
+from keyserve.engine.stats import EngineStats
 from keyserve.engine.step_input import ForkOp, StepInput, StepOutput
 from keyserve.model.loader import LoadedModel
 
@@ -112,8 +113,6 @@ class LLMEngine:
         self.loaded = parts.loaded
         self.runner = parts.runner
         self.prefix_store = parts.prefix_store
-        self.block_manager = parts.block_manager
-        self.scheduler = parts.scheduler
         self.tokenizer = parts.tokenizer
         self.max_model_len = parts.max_model_len
         self.vocab_size = parts.arch.vocab_size
@@ -130,6 +129,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.last_step_empty = False
+        # Over finished requests, whatever ended them (``EngineStats``).
+        self.finished_prompt_tokens = self.finished_generated_tokens = self.finished_kv_evicted = 0
 
     def _eos_ids(self, arch: Any) -> set[int]:
         ids: set[int] = set()
@@ -197,8 +198,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = time.monotonic()
+        budget = request_budget(params, len(token_ids), self.budget_defaults)  # once per request
         seqs = [
-            Sequence(request_id, list(token_ids), params, arrival=now, sample_index=i)
+            Sequence(request_id, list(token_ids), params, arrival=now, sample_index=i, kv_budget=budget)
             for i in range(params.n)
         ]
         req = _Request(
@@ -212,7 +214,6 @@ class LLMEngine:
             forced_token_ids=list(forced_token_ids) if forced_token_ids is not None else None,
         )
         for seq in seqs:  # everything that can raise, before anything is registered
-            seq.kv_budgeted = budget_spec(seq, self.budget_defaults) is not None
             req.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         for seq in seqs:
             self._seq_owner[seq.seq_id] = req
@@ -556,6 +557,7 @@ class LLMEngine:
         return stats[1] if stats is not None else seq.kv_tokens_evicted
 
     def _pop_finished(self, req: _Request) -> RequestOutput:
+        """The request's last output; it leaves the engine (and counts in ``stats()``)."""
         req.finish_time = max((s.finish_time or 0.0) for s in req.seqs) or time.monotonic()
         self.requests.pop(req.request_id, None)
         for seq in req.all_seqs:
@@ -565,9 +567,51 @@ class LLMEngine:
         out = self._snapshot(req)
         if self.spec is not None:
             self.spec.pop_request_stats(req.request_id)
+        self.finished_prompt_tokens += out.stats.prompt_tokens
+        self.finished_generated_tokens += out.stats.generated_tokens
+        self.finished_kv_evicted += out.stats.kv_tokens_evicted
         return out
 
-    # ---------------------------------------------------------------- helpers
+    # ---------------------------------------------------------------- reports
+    def stats(self) -> EngineStats:
+        """A snapshot of this engine: its KV pool, queue, prefix cache, speculation and totals
+        over finished requests (what ``/metrics`` exports). The same call, in one process or
+        over Ray (the KV core's counts come back with every step)."""
+        core = self.core.stats()
+        spec = self.spec.stats if self.spec is not None else None
+        return EngineStats(
+            num_requests_running=core.num_running_requests,
+            num_requests_waiting=len(self.requests) - core.num_running_requests,
+            num_blocks=core.num_blocks,
+            num_free_blocks=core.num_free_blocks,
+            block_size=core.block_size,
+            prefix_cache_queries=core.prefix_cache_queries,
+            prefix_cache_hits=core.prefix_cache_hits,
+            num_preemptions=core.num_preemptions,
+            kv_tokens_evicted=self.finished_kv_evicted,
+            spec_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            prompt_tokens=self.finished_prompt_tokens,
+            generation_tokens=self.finished_generated_tokens,
+            num_steps=self.num_steps,
+            prefix_store=self.prefix_store_stats(),
+        )
+
+    def waiting_request_ids(self) -> list[str]:
+        """Requests not yet admitted to the running batch, in queue order."""
+        return self.core.waiting_request_ids()
+
+    @property
+    def scheduler(self) -> Any:
+        """The in-process core's scheduler (tests, benchmarks; the Ray engine has none here:
+        read ``stats()``)."""
+        return self.core.scheduler
+
+    @property
+    def block_manager(self) -> Any:
+        """The in-process core's block manager (tests, benchmarks; see ``scheduler``)."""
+        return self.core.block_manager
+
     def prefix_store_stats(self) -> dict[str, float]:
         """Counters of the prefix store (hits, bytes read and evictions per tier, importance
         fallbacks, corrupt chunks); empty when it is off."""

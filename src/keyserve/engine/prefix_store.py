@@ -31,7 +31,6 @@ from keyserve.core.prefix_store import (
     StoreSettings,
 )
 from keyserve.core.sequence import Sequence
-from keyserve.engine.kv_budget import BudgetDefaults, budget_spec
 
 
 @dataclass
@@ -43,11 +42,10 @@ class _PendingInsert:
 
 
 class EnginePrefixStore:
-    def __init__(self, config: PrefixStoreConfig, core: object, runner: object, budget_defaults: BudgetDefaults) -> None:
+    def __init__(self, config: PrefixStoreConfig, core: object, runner: object) -> None:
         self.config = config
         self.core = core
         self.runner = runner
-        self.budget_defaults = budget_defaults
         bm = core.block_manager  # type: ignore[attr-defined]
         self.bm = bm
         self.block_size = bm.block_size
@@ -233,7 +231,7 @@ class EnginePrefixStore:
             # A prefix shorter than what follows (a shared system prompt before a new document)
             # loads whole: the prompt computed after it stays exact and can itself be stored.
             return m
-        spec = budget_spec(seq, self.budget_defaults)
+        spec = seq.kv_budget
         if spec is None or spec.budget is None or spec.budget >= seq.num_tokens:
             return None
         return min(m, max(0, spec.budget - rest))
@@ -241,15 +239,12 @@ class EnginePrefixStore:
     def _needs_scores(self, seq: Sequence) -> bool:
         """H2O / Keyformer evict by accumulated scores: a prefix stored without them is
         recomputed (and stored again with them) rather than loaded with none."""
-        if not seq.kv_budgeted:
-            return False
-        spec = budget_spec(seq, self.budget_defaults)
-        return spec is not None and spec.by_score
+        return seq.kv_budget is not None and seq.kv_budget.by_score
 
     def _start_budget(self, seq: Sequence, loaded: LoadedPrefix) -> None:
         """The runner's KV-budget state starts from the loaded tokens (original positions, the
         scores stored with them) instead of an empty prompt phase."""
-        spec = budget_spec(seq, self.budget_defaults)
+        spec = seq.kv_budget
         assert spec is not None
         tracker = self.runner.budget  # type: ignore[attr-defined]
         state = tracker.start(seq, spec)

@@ -18,7 +18,6 @@ import torch
 from keyserve.core.block_manager import BlockCopy
 from keyserve.core.kv_policy import BudgetSpec
 from keyserve.core.sampling_params import SamplingParams
-from keyserve.core.scheduler import ScheduledSeq, StepPlan
 
 
 @dataclass
@@ -147,22 +146,7 @@ class StepOutput:
     failed: dict[int, str] = field(default_factory=dict)
 
 
-def step_item(scheduled: ScheduledSeq, **fields: object) -> StepItem:
-    """The item for one scheduled sequence (its new tokens read from the sequence)."""
-    seq, start = scheduled.seq, scheduled.start
-    return StepItem(
-        seq_id=seq.seq_id,
-        token_ids=[seq.token_at(i) for i in range(start, start + scheduled.num_new_tokens)],
-        start=start,
-        block_table=list(seq.block_table),
-        num_lookahead=scheduled.num_lookahead,
-        draft_token_ids=list(scheduled.draft_token_ids),
-        num_output_tokens=len(seq.output_token_ids),
-        **fields,  # type: ignore[arg-type]
-    )
-
-
-def logits_step_input(plan: StepPlan, rows: int = 1) -> StepInput:
-    """A step that only returns the raw logits of each sequence's last ``rows`` rows."""
-    items = [step_item(s, return_logits=rows) for s in plan.scheduled]
-    return StepInput(items, len(plan.decode), list(plan.blocks_to_copy))
+def describe_failure(what: str, error: BaseException) -> str:
+    """Why a sequence failed (``StepOutput.failed``), for its request's error message."""
+    text = f"{what} failed: {type(error).__name__}: {error}"
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from keyserve.kernels import cpu_paths, reference
-from keyserve.kernels.metadata import AttentionMetadata
+from keyserve.kernels.metadata import AttentionMetadata, LayerScores
 from keyserve.kernels.native import decode as native_decode
 from keyserve.kernels.native import write_kv as native_write
 
@@ -49,8 +49,10 @@ def paged_attention(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Store this step's K/V, then attend decode tokens and prefill chunks to their caches."""
+) -> tuple[torch.Tensor, LayerScores | None]:  # [num_tokens, num_heads, head_dim], scores
+    """Store this step's K/V, then attend decode tokens and prefill chunks to their caches.
+    Returns the output and, when ``meta.score_mode`` is set, this layer's attention scores for
+    KV budgets (None otherwise)."""
     write_kv(key, value, k_cache, v_cache, meta.layer_slot_mapping(layer_idx))
     n_dec = meta.num_decode_seqs
     triton = _use_triton(query)
@@ -84,9 +86,8 @@ def paged_attention(
             prefill_fn, pre_args, meta, None if tau is None else tau[n_dec:], slice(n_dec, None)
         )
         outs.append(out)
-    if meta.score_mode is not None:
-        meta.scores[layer_idx] = (dec_scores, pre_scores)
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    return out, None if meta.score_mode is None else (dec_scores, pre_scores)
 
 
 def _with_scores(fn, args: tuple, meta: AttentionMetadata, tau: torch.Tensor | None, rows: slice):

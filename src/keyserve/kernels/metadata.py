@@ -7,12 +7,17 @@ more query tokens (prompt chunks, recomputation after preemption, speculative ve
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from keyserve.kernels.reference import ScoreMode
+
+# What one attention layer returns beside its output when ``score_mode`` is set: (decode scores
+# [num_decode_seqs, num_kv_heads, max_ctx] | None, prefill scores [num_prefill_seqs,
+# num_kv_heads, max_ctx] | None), each None when the step has no rows of that kind.
+LayerScores = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 @dataclass
@@ -34,10 +39,6 @@ class AttentionMetadata:
     score_mode: ScoreMode | Literal["mixed"] | None = None
     gumbel_rows: torch.Tensor | None = None  # [num_seqs] bool, decode seqs first ("mixed" only)
     tau: torch.Tensor | None = None  # [num_seqs] float32, decode seqs first then prefill seqs
-    # Filled by the attention layers when score_mode is set: layer -> (decode_scores
-    # [num_decode_seqs, num_kv_heads, max_ctx] | None, prefill_scores [num_prefill_seqs,
-    # num_kv_heads, max_ctx] | None).
-    scores: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)
 
     @property
     def num_prefill_seqs(self) -> int:

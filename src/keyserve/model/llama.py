@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from keyserve.kernels.attention import paged_attention
-from keyserve.kernels.metadata import AttentionMetadata
+from keyserve.kernels.metadata import AttentionMetadata, LayerScores
 from keyserve.model.config import ModelConfig
 from keyserve.model.kv_cache import KVCache, allocate_kv_cache
 from keyserve.model.matmul import linear, use_cpu_gemv_layout
@@ -77,15 +77,15 @@ class LlamaAttention(nn.Module):
         sin: torch.Tensor,  # [n, 1, head_dim]: [-s, s]
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [n, hidden]
+    ) -> tuple[torch.Tensor, LayerScores | None]:  # [n, hidden], scores when meta asks for them
         n = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(n, hq + 2 * hkv, self.head_dim)
         qk = apply_rotary(qkv[:, : hq + hkv], cos, sin)  # [n, hq + hkv, d]
         q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
         k_cache, v_cache = kv_cache
-        out = paged_attention(self.layer_idx, q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, hq * self.head_dim))
+        out, scores = paged_attention(self.layer_idx, q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(n, hq * self.head_dim)), scores
 
 
 class LlamaMLP(nn.Module):
@@ -127,9 +127,10 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,  # [n, 1, head_dim]: [-s, s]
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [n, hidden]
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, LayerScores | None]:  # [n, hidden], this layer's attention scores
+        attn, scores = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        h = h + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), scores
 
 
 class LlamaModel(nn.Module):
@@ -147,7 +148,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Flat-token decoder: ``forward`` gives final hidden states, ``compute_logits`` the vocab.
+    """Flat-token decoder: ``forward`` gives final hidden states (and the attention scores a
+    KV budget asks for, as a value), ``compute_logits`` the vocab.
 
     Logits are a separate call so the engine projects only the rows it samples from (the LM
     head is the largest single matmul of a small model).
@@ -189,18 +191,23 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64, decode tokens first (meta's order)
         kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+    ) -> tuple[torch.Tensor, list[LayerScores] | None]:  # [num_tokens, hidden_size], scores
+        """Final hidden states, and the attention scores of every layer when
+        ``meta.score_mode`` asks for them (KV budgets; None otherwise)."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(positions, h.dtype)
         full_meta = meta
         if meta.sliding_window is not None and any(self._full_attention_layers):
             # Mixed models (Qwen2 max_window_layers, layer_types): full layers ignore the window.
             full_meta = dataclasses.replace(meta, sliding_window=None)
+        scores: list[LayerScores] | None = [] if meta.score_mode is not None else None
         for layer, full, kv_cache in zip(
             self.model.layers, self._full_attention_layers, kv_caches, strict=True
         ):
-            h = layer(h, cos, sin, kv_cache, full_meta if full else meta)
-        return self.model.norm(h)
+            h, layer_scores = layer(h, cos, sin, kv_cache, full_meta if full else meta)
+            if scores is not None:
+                scores.append(layer_scores)  # type: ignore[arg-type]
+        return self.model.norm(h), scores
 
     def compute_logits(
         self, hidden: torch.Tensor  # [n, hidden_size]
