@@ -54,11 +54,18 @@ OPTIONS = dict(num_blocks=70, block_size=8)  # small: 32 requests preempt each o
 def test_plain_and_kv_budgets_equal_in_process(stories_path: str) -> None:
     prompts = _prompts(32)
     params = [_params(i, budgets=True) for i in range(32)]
-    want = LLM(stories_path, **OPTIONS).generate(prompts, params)
+    local = LLM(stories_path, **OPTIONS)
+    want = local.generate(prompts, params)
     with RayLLM(stories_path, worker_threads=1, **OPTIONS) as ray_llm:
         got = ray_llm.generate(prompts, params)
         engine = ray_llm.engine
-        assert engine.stats().num_preemptions > 0
+        stats = engine.stats()  # the KV-block manager actor's counts, as the in-process engine's
+        assert stats.num_preemptions > 0 and stats.num_free_blocks == stats.num_blocks == 70
+        expected = local.engine.stats()
+        for field in ("prompt_tokens", "generation_tokens", "kv_tokens_evicted", "num_requests_running",
+                      "num_requests_waiting", "block_size"):
+            assert getattr(stats, field) == getattr(expected, field), field
+        assert not hasattr(engine, "block_manager") and not hasattr(engine, "scheduler")  # no views
         view = engine.check_consistent()
         assert view.num_free_blocks == view.num_blocks
     _same(want, got)
