@@ -131,7 +131,7 @@ def main() -> None:
 
     import ray
 
-    from keyserve.actors.engine import RayEngine
+    from keyserve.actors.ray_engine import RayEngine
     from keyserve.config import EngineConfig
     from keyserve.engine.llm_engine import LLMEngine
 

@@ -113,7 +113,7 @@ class SchedulerSettings(_Strict):
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
 
 
-class SpecConfig(_Strict):
+class SpeculativeConfig(_Strict):
     draft: str | None = Field(
         None, description="Draft model for speculative sampling (local HF dir or keyserve draft dir)."
     )
@@ -207,7 +207,7 @@ class EngineConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
-    spec: SpecConfig = Field(default_factory=SpecConfig)
+    spec: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     prefix_store: PrefixStoreConfig = Field(default_factory=PrefixStoreConfig)
     seed: int = Field(0, ge=0, description="Seed of the global RNG (unseeded requests).")
@@ -247,7 +247,7 @@ _SECTIONS: dict[str, type[_Strict]] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerSettings,
-    "spec": SpecConfig,
+    "spec": SpeculativeConfig,
     "parallel": ParallelConfig,
     "prefix_store": PrefixStoreConfig,
 }

@@ -105,7 +105,7 @@ class RayLLM(LLM):
             config = EngineConfig.from_flat(model=model, **options)
         elif model is not None or options:
             raise ValueError("pass either config= or model/options, not both")
-        from keyserve.actors.engine import RayEngine  # Ray only for this class, not for LLM
+        from keyserve.actors.ray_engine import RayEngine  # Ray only for this class, not for LLM
 
         self.engine = RayEngine(config)
 

@@ -102,4 +102,4 @@ def test_speculative_greedy_equals_target_alone(stories_path: str, draft_dir: st
     outs = spec.generate(PROMPTS, params)
     for a, b in zip(outs, gpu.generate(PROMPTS, params)):
         assert a.token_ids == b.token_ids
-    assert spec.engine.spec.stats.num_draft_tokens > 0
+    assert spec.engine.speculative.stats.num_draft_tokens > 0

@@ -48,7 +48,7 @@ def test_greedy_equals_target_for_every_k(target: LLM, speculative: LLM) -> None
         assert 0.0 < sum(rates) / len(rates) < 1.0  # some drafts rejected, some accepted
     engine = speculative.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    drafter = engine.spec.drafter
+    drafter = engine.speculative.drafter
     assert drafter.block_manager.num_free_blocks == drafter.block_manager.num_blocks
     assert not drafter.mirrors
 
@@ -84,7 +84,7 @@ def test_sampled_distribution_equals_target(target: LLM, speculative: LLM) -> No
 
     plain = sample(target, False)
     spec = sample(speculative, True)
-    assert speculative.engine.spec.stats.num_draft_tokens > 0
+    assert speculative.engine.speculative.stats.num_draft_tokens > 0
     for a, b in zip(plain, spec):
         common = [t for t in set(a) | set(b) if a[t] + b[t] >= 20]
         table = [[a[t] for t in common] + [sum(a.values()) - sum(a[t] for t in common)],
@@ -95,7 +95,7 @@ def test_sampled_distribution_equals_target(target: LLM, speculative: LLM) -> No
 
 
 def _cached_kv(llm: LLM, seq, num: int, draft: bool = False) -> list[torch.Tensor]:
-    runner = llm.engine.spec.drafter.runner if draft else llm.engine.runner
+    runner = llm.engine.speculative.drafter.runner if draft else llm.engine.runner
     table = torch.tensor([seq.block_table], dtype=torch.int32)
     return [torch.cat([gather_kv(k, table, num), gather_kv(v, table, num)]) for k, v in runner.kv_caches]
 
@@ -107,8 +107,8 @@ def test_rollback_leaves_exactly_the_accepted_kv(speculative: LLM, stories_path:
     for _ in range(6):
         engine.step()
     seq = engine.requests[rid].seqs[0]
-    mirror = engine.spec.drafter.mirrors[seq.seq_id]
-    assert engine.spec.request_stats[rid].num_rejections > 0 or engine.spec.request_stats[rid].num_accepted_tokens > 0
+    mirror = engine.speculative.drafter.mirrors[seq.seq_id]
+    assert engine.speculative.request_stats[rid].num_rejections > 0 or engine.speculative.request_stats[rid].num_accepted_tokens > 0
     n_target, n_draft = seq.num_computed_tokens, mirror.num_computed_tokens
     got_target = _cached_kv(speculative, seq, n_target)
     got_draft = _cached_kv(speculative, mirror, n_draft, draft=True)
@@ -125,5 +125,5 @@ def test_rollback_leaves_exactly_the_accepted_kv(speculative: LLM, stories_path:
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     engine.abort(rid)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    drafter = engine.spec.drafter
+    drafter = engine.speculative.drafter
     assert drafter.block_manager.num_free_blocks == drafter.block_manager.num_blocks

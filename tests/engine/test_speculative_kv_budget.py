@@ -51,7 +51,7 @@ def _run_checking_bounds(llm: LLM, prompts: list[str], params: list[SamplingPara
     """Step the engine; after every step each budgeted mirror holds at most k + K + 1 slots
     (k kept + one catch-up token + K − 1 computed drafts) and the blocks for them."""
     engine = llm.engine
-    drafter = engine.spec.drafter
+    drafter = engine.speculative.drafter
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     done = {}
     max_held = 0
@@ -87,7 +87,7 @@ def test_greedy_with_budgeted_draft_equals_target(target: LLM, budgeted_draft, p
     assert sum(o.stats.spec_accepted_tokens for o in outs) > 0
     engine = llm.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    drafter = engine.spec.drafter
+    drafter = engine.speculative.drafter
     assert drafter.block_manager.num_free_blocks == drafter.block_manager.num_blocks
     assert not drafter.mirrors and not drafter.runner.budget.states and not drafter.runner.seq_infos
 
@@ -113,15 +113,15 @@ def test_budgeted_mirror_holds_only_valid_tokens(budgeted_draft, draft_dir: str,
     are gone, not relabelled; layer 0 is checked against a full-cache draft forward."""
     llm = budgeted_draft(policy)
     engine = llm.engine
-    drafter = engine.spec.drafter
+    drafter = engine.speculative.drafter
     fresh = LLM(draft_dir, num_blocks=64, block_size=BLOCK, enable_prefix_caching=False)
     prompt = " ".join(WORDS[:14])
     rid = engine.add_request(prompt, _greedy(40, num_speculative_tokens=4))
     rejected_steps = 0
     while rid in engine.requests:
-        before = engine.spec.stats.num_draft_tokens - engine.spec.stats.num_accepted_tokens
+        before = engine.speculative.stats.num_draft_tokens - engine.speculative.stats.num_accepted_tokens
         engine.step()
-        rejected_steps += engine.spec.stats.num_draft_tokens - engine.spec.stats.num_accepted_tokens > before
+        rejected_steps += engine.speculative.stats.num_draft_tokens - engine.speculative.stats.num_accepted_tokens > before
         if rid not in engine.requests:
             break
         seq = engine.requests[rid].seqs[0]
@@ -153,7 +153,7 @@ def test_fractional_draft_budget_and_batch_mixing(target: LLM, stories_path: str
     alone = target.generate(prompts, [_greedy(30) for _ in prompts])
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
-    drafter = llm.engine.spec.drafter
+    drafter = llm.engine.speculative.drafter
     assert drafter.block_manager.num_free_blocks == drafter.block_manager.num_blocks
 
 
@@ -178,7 +178,7 @@ def test_mirror_rebuilt_when_target_diverges_below_the_settled_point(budgeted_dr
     re-prefilled from the target's tokens instead of keeping stale KV."""
     from keyserve.core.sequence import Sequence
 
-    drafter = budgeted_draft("h2o").engine.spec.drafter
+    drafter = budgeted_draft("h2o").engine.speculative.drafter
     target = Sequence("r", list(range(5, 25)), _greedy(30))
     target.output_token_ids = [7, 8, 9]
     drafter.propose([target], [3])

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from keyserve import LLM, SamplingParams
-from keyserve.actors.engine import RayEngine
+from keyserve.actors.ray_engine import RayEngine
 from keyserve.llm import RayLLM
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -77,9 +77,9 @@ def test_draft_actor_killed(engine: RayEngine, reference: LLM) -> None:
     old_step = engine.step
 
     def step():  # record how many tokens each step drafted
-        before = engine.spec.stats.num_draft_tokens
+        before = engine.speculative.stats.num_draft_tokens
         outs = old_step()
-        drafted.append(engine.spec.stats.num_draft_tokens - before)
+        drafted.append(engine.speculative.stats.num_draft_tokens - before)
         return outs
 
     engine.step = step
@@ -93,9 +93,9 @@ def test_draft_actor_killed(engine: RayEngine, reference: LLM) -> None:
     while not client.available:  # Ray restarts the actor (it reloads the draft) ...
         assert time.monotonic() < deadline
         time.sleep(0.5)
-    before = engine.spec.stats.num_draft_tokens
+    before = engine.speculative.stats.num_draft_tokens
     more = _run(engine, prompts[:2], params[:2], lambda: None)
-    assert engine.spec.stats.num_draft_tokens > before  # ... and speculation is back
+    assert engine.speculative.stats.num_draft_tokens > before  # ... and speculation is back
     _check(engine, reference, prompts, params, got)
     _check(engine, reference, prompts[:2], params[:2], more)
 

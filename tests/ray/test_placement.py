@@ -41,5 +41,5 @@ def test_target_group_on_one_node_draft_on_the_other(two_nodes, stories_path: st
         assert shard_nodes == [head_id, head_id]
         assert ray.get(engine.drafter_client.actor.node_id.remote()) == draft_node.node_id != head_id
         got = llm.generate(prompts, params)
-        assert engine.spec.stats.num_draft_tokens > 0
+        assert engine.speculative.stats.num_draft_tokens > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

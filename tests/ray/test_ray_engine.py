@@ -92,8 +92,8 @@ def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_
     with RayLLM(stories_path, worker_threads=1, **opts) as ray_llm:
         got = ray_llm.generate(prompts, params)
         engine = ray_llm.engine
-        assert engine.spec.stats.num_draft_tokens > 0
-        assert 0 < engine.spec.stats.acceptance_rate < 1
+        assert engine.speculative.stats.num_draft_tokens > 0
+        assert 0 < engine.speculative.stats.acceptance_rate < 1
         engine.flush()
         draft = engine.drafter_client.stats()
         assert draft["num_free_blocks"] == draft["num_blocks"] and draft["num_mirrors"] == 0
@@ -108,7 +108,7 @@ def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_
 def test_streams_through_the_async_front(stories_path: str) -> None:
     """The serving layer's AsyncLLMEngine drives a RayEngine: tokens arrive as steps accept them."""
     pytest.importorskip("keyserve.engine.async_engine")
-    from keyserve.actors.engine import AsyncRayEngine
+    from keyserve.actors.ray_engine import AsyncRayEngine
     from keyserve.config import EngineConfig
 
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -10,7 +10,7 @@ import torch
 from drive import greedy_with_logits
 
 from keyserve.actors.target_group import TargetGroup
-from keyserve.actors.tp_worker import WorkerSpec, check_tp_fits
+from keyserve.actors.target_shard_actor import ShardArgs, check_tp_fits
 from keyserve.config import ParallelConfig
 from keyserve.engine.model_runner import ModelRunner
 from keyserve.model.config import ModelConfig
@@ -38,8 +38,8 @@ def _reference(model_dir: str, prompts: list[list[int]], max_tokens: int) -> tup
 
 def _sharded(model_dir: str, tp: int, prompts: list[list[int]], max_tokens: int) -> tuple[list, list]:
     arch = ModelConfig.from_file(f"{model_dir}/config.json")
-    spec = WorkerSpec(model_dir, "float32", "cpu", NUM_BLOCKS, 16, "gloo", 60.0, 0, threads=1)
-    group = TargetGroup(spec, ParallelConfig(tensor_parallel_size=tp, worker_num_cpus=0.1), arch)
+    args = ShardArgs(model_dir, "float32", "cpu", NUM_BLOCKS, 16, "gloo", 60.0, 0, threads=1)
+    group = TargetGroup(args, ParallelConfig(tensor_parallel_size=tp, worker_num_cpus=0.1), arch)
     try:
         return greedy_with_logits(group, prompts, max_tokens, NUM_BLOCKS, max_num_batched_tokens=24)
     finally:

@@ -35,12 +35,12 @@ from hypothesis.stateful import (
 
 import keyserve.core.block_manager as bm_mod
 from keyserve.core.block_manager import BlockManager, hash_block
-from keyserve.core.kv_policy import BudgetSpec
+from keyserve.core.kv_policy import KVBudget
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import Sequence
 
 PARAMS = SamplingParams()
-BUDGET = BudgetSpec.create("h2o", 8)
+BUDGET = KVBudget.create("h2o", 8)
 MAX_TOKENS = 24  # per sequence: keeps examples short while spanning several blocks
 Slot = tuple[int, ...] | tuple[str, int] | None  # a token prefix, a compaction marker, or empty
 

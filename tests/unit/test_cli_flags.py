@@ -33,7 +33,7 @@ from keyserve.config import (
     PrefixStoreConfig,
     SchedulerSettings,
     ServeConfig,
-    SpecConfig,
+    SpeculativeConfig,
 )
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.types import KVPolicyName
@@ -168,7 +168,7 @@ EXPECTED = EngineConfig(  # the same, nested, as the Python API builds it
     model=ModelConfig(model="/models/m", dtype="bfloat16"),
     cache=CacheConfig(block_size=8, enable_prefix_caching=False, default_kv_policy="h2o", default_kv_budget=0.5),
     scheduler=SchedulerSettings(max_num_seqs=32),
-    spec=SpecConfig(draft="/models/d", num_speculative_tokens=3, adaptive_k=True, draft_kv_policy="keyformer"),
+    spec=SpeculativeConfig(draft="/models/d", num_speculative_tokens=3, adaptive_k=True, draft_kv_policy="keyformer"),
     parallel=ParallelConfig(tensor_parallel_size=2, placement_strategy="SPREAD", worker_resources={"accel": 0.5}),
     prefix_store=PrefixStoreConfig(eviction="lru", host_tokens=64),
     seed=5,

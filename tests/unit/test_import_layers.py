@@ -60,9 +60,9 @@ LAZY: list[Lazy] = [
          "the draft-training pipeline, only for `keyserve distill-draft`"),
     Lazy("keyserve.cli", "keyserve.llm", frozenset({"LLM", "RayLLM"}),
          "torch and the engine only once `generate` runs; parsing and --help stay light"),
-    Lazy("keyserve.llm", "keyserve.actors.engine", frozenset({"RayEngine"}),
+    Lazy("keyserve.llm", "keyserve.actors.ray_engine", frozenset({"RayEngine"}),
          "Ray, only for RayLLM (LLM runs without it)"),
-    Lazy("keyserve.cluster.openai_serving", "keyserve.actors.engine", frozenset({"AsyncRayEngine"}),
+    Lazy("keyserve.cluster.openai_serving", "keyserve.actors.ray_engine", frozenset({"AsyncRayEngine"}),
          "Ray, only when the server runs the Ray engine"),
     Lazy("keyserve.engine.async_engine", "keyserve.engine.llm_engine", frozenset({"LLMEngine"}),
          "torch: the HTTP layer imports the async front torch-free; the model loads on the engine thread"),
@@ -73,7 +73,7 @@ LAZY: list[Lazy] = [
 # What the HTTP / batch layer may import from the layers below the actors.
 ENGINE_CLIENT = {"keyserve.engine.async_engine", "keyserve.engine.outputs", "keyserve.engine.errors",
                  "keyserve.engine.stats"}
-ACTORS_CLIENT = {"keyserve.actors.engine"}  # AsyncRayEngine
+ACTORS_CLIENT = {"keyserve.actors.ray_engine"}  # AsyncRayEngine
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keyserve.core.kv_policy import (
-    BudgetSpec,
+    KVBudget,
     KVBudgetState,
     KVPolicy,
     accumulate_batch,
@@ -157,7 +157,7 @@ class Lockstep:
                  max_pos: int, num_spare: int = 0, stacked: bool = False):
         self.policy, self.k, self.L, self.H = policy, k, L, H
         self.stacked = stacked
-        self.state = KVBudgetState(BudgetSpec.create(policy, k, ratio), L, H, num_spare=num_spare)
+        self.state = KVBudgetState(KVBudget.create(policy, k, ratio), L, H, num_spare=num_spare)
         s, w, by = ref_rule(policy, k, ratio)
         self.sinks, self.recent = s, w
         self.ref = [[RefHead(k, s, w, by) for _ in range(H)] for _ in range(L)]
@@ -270,11 +270,11 @@ def test_enum_modes_and_helpers() -> None:
     assert keyformer_tau(4, 8, 1.0, 3.0) == 2.0
     assert recent_window(10, 0.3) == 3 and recent_window(5, 0.5) == 3  # halves round up
     assert recent_window(4, 0.0) == 0 and recent_window(4, 1.0) == 4
-    spec = BudgetSpec.create("streaming_llm", 10)
+    spec = KVBudget.create("streaming_llm", 10)
     assert (spec.num_sinks, spec.num_recent) == (4, 6)
-    assert BudgetSpec.create("streaming_llm", 3).num_sinks == 2
-    assert BudgetSpec.create("full", 10).budget is None
-    assert BudgetSpec.create("keyformer", None).policy is KVPolicy.FULL
+    assert KVBudget.create("streaming_llm", 3).num_sinks == 2
+    assert KVBudget.create("full", 10).budget is None
+    assert KVBudget.create("keyformer", None).policy is KVPolicy.FULL
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -332,7 +332,7 @@ def test_score_policies_with_attention_scores(policy, k, n, steps, seed) -> None
 @pytest.mark.parametrize("policy", POLICIES + ["full"])
 def test_budget_at_least_length_never_evicts(policy: str) -> None:
     n, steps = 6, 8
-    st_ = KVBudgetState(BudgetSpec.create(policy, n + steps), 2, 2)
+    st_ = KVBudgetState(KVBudget.create(policy, n + steps), 2, 2)
     st_.append(n)
     st_.accumulate(torch.rand(2, 2, n))
     assert torch.equal(st_.select_prompt(), torch.arange(n).expand(2, 2, n))
@@ -345,7 +345,7 @@ def test_budget_at_least_length_never_evicts(policy: str) -> None:
 
 def test_window_is_a_ring_buffer() -> None:
     k = 5
-    st_ = KVBudgetState(BudgetSpec.create("window", k), 1, 3)
+    st_ = KVBudgetState(KVBudget.create("window", k), 1, 3)
     st_.append(13)
     keep = st_.select_prompt()
     assert keep[0, 0].tolist() == [10, 11, 12, 8, 9]  # position p -> slot p mod k
@@ -354,7 +354,7 @@ def test_window_is_a_ring_buffer() -> None:
         assert bool((slots == p % k).all())
     assert bool((st_.positions % k == torch.arange(k)).all())
     # Short prompt: fresh slots first, then the ring continues seamlessly.
-    st2 = KVBudgetState(BudgetSpec.create("window", k), 1, 1)
+    st2 = KVBudgetState(KVBudget.create("window", k), 1, 1)
     st2.append(2)
     st2.select_prompt()
     assert [int(st2.choose_victims()) for _ in range(8)] == [p % k for p in range(2, 10)]
@@ -400,7 +400,7 @@ def test_speculative_spare_slots_evict_down_to() -> None:
 
 
 def test_rollback_compacts_and_refuses_uneven() -> None:
-    st_ = KVBudgetState(BudgetSpec.create("h2o", 4, 0.0), 1, 2)
+    st_ = KVBudgetState(KVBudget.create("h2o", 4, 0.0), 1, 2)
     st_.append(4)
     st_.accumulate(torch.tensor([[[5.0, 1.0, 5.0, 5.0], [1.0, 5.0, 5.0, 5.0]]]))
     st_.select_prompt()
@@ -411,7 +411,7 @@ def test_rollback_compacts_and_refuses_uneven() -> None:
     assert keep.shape[-1] == 3 and st_.num_slots == 3 and st_.num_tokens == 5
     assert bool((st_.positions < 5).all())
     # Heads that evicted different tokens for a later one cannot be rolled back evenly.
-    st3 = KVBudgetState(BudgetSpec.create("h2o", 2, 0.0), 1, 2)
+    st3 = KVBudgetState(KVBudget.create("h2o", 2, 0.0), 1, 2)
     st3.append(2)
     st3.accumulate(torch.tensor([[[1.0, 2.0], [2.0, 1.0]]]))
     st3.choose_victims()  # pos 2: head 0 evicts pos 0, head 1 evicts pos 1
@@ -425,7 +425,7 @@ def test_rollback_compacts_and_refuses_uneven() -> None:
 
 def test_batched_matches_per_sequence_with_mixed_policies() -> None:
     g = torch.Generator().manual_seed(3)
-    specs = [BudgetSpec.create(p, k, 0.3) for p, k in
+    specs = [KVBudget.create(p, k, 0.3) for p, k in
              [("window", 4), ("h2o", 5), ("keyformer", 6), ("streaming_llm", 6), ("full", 3),
               ("h2o", 20)]]
     a = [KVBudgetState(s, 3, 2) for s in specs]
@@ -465,7 +465,7 @@ def test_compaction_map_moves_only_what_it_must() -> None:
 
 
 def test_device_and_counters() -> None:
-    st_ = KVBudgetState(BudgetSpec.create("keyformer", 4, 0.25), 2, 1, device="cpu")
+    st_ = KVBudgetState(KVBudget.create("keyformer", 4, 0.25), 2, 1, device="cpu")
     st_.append(10)
     st_.accumulate(torch.rand(2, 1, 10))
     st_.select_prompt()
@@ -493,8 +493,8 @@ def test_order_key_is_lexicographic_in_score_then_position() -> None:
 def test_cuda_matches_cpu() -> None:
     g = torch.Generator().manual_seed(1)
     for policy in POLICIES:
-        cpu = KVBudgetState(BudgetSpec.create(policy, 6, 0.3), 3, 2, num_spare=2)
-        gpu = KVBudgetState(BudgetSpec.create(policy, 6, 0.3), 3, 2, num_spare=2, device="cuda")
+        cpu = KVBudgetState(KVBudget.create(policy, 6, 0.3), 3, 2, num_spare=2)
+        gpu = KVBudgetState(KVBudget.create(policy, 6, 0.3), 3, 2, num_spare=2, device="cuda")
         for s in (cpu, gpu):
             s.append(11)
         sc = torch.randint(0, 3, (3, 2, 11), generator=g).float()
@@ -533,7 +533,7 @@ def test_layers_loaded_with_different_counts_even_out_at_prompt_selection(policy
     floor = max(0, k - q)
     counts = [rng.randint(floor, n) for _ in range(L)]
     counts[rng.randrange(L)] = n  # some layer loads everything
-    spec = BudgetSpec.create(policy, k, 0.5)
+    spec = KVBudget.create(policy, k, 0.5)
     sinks, recent, by_score = spec.num_sinks, spec.num_recent, spec.by_score
     state = KVBudgetState(spec, L, H)
     positions = torch.full((L, H, n), -1, dtype=torch.long)
@@ -593,7 +593,7 @@ def test_layers_loaded_with_different_counts_even_out_at_prompt_selection(policy
 def test_uneven_layers_below_the_budget_are_refused() -> None:
     """Loading fewer than k - (rest of the prompt) tokens in a layer would leave it short of k
     after the prompt: selection refuses rather than decode with uneven layers."""
-    state = KVBudgetState(BudgetSpec.create("h2o", 6, 0.5), 2, 1)
+    state = KVBudgetState(KVBudget.create("h2o", 6, 0.5), 2, 1)
     positions = torch.tensor([[[0, 1, 2, 3]], [[0, 2, -1, -1]]])
     state.restore(positions, torch.zeros(2, 1, 4), 4)
     state.append(3)

@@ -1,4 +1,4 @@
-"""The tensor-parallel target group: a placement group and one ``TPWorker`` actor per shard.
+"""The tensor-parallel target group: a placement group and one ``TargetShardActor`` actor per shard.
 
 ``execute`` is the model runner's interface over Ray: the step's one ``StepInput`` goes to every
 rank (put once in the object store), the draft probabilities (an object ref straight from the
@@ -15,7 +15,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from keyserve.actors.common import ACTOR_LOST, ShardLost, alive
-from keyserve.actors.tp_worker import TPWorker, WorkerSpec, check_tp_fits
+from keyserve.actors.target_shard_actor import TargetShardActor, ShardArgs, check_tp_fits
 from keyserve.config import ParallelConfig
 from keyserve.engine.step_input import RunnerOp, StepInput, StepOutput
 from keyserve.model.config import ModelConfig
@@ -31,11 +31,11 @@ def worker_gpus(parallel: ParallelConfig, device: str) -> float:
 
 
 class TargetGroup:
-    def __init__(self, spec: WorkerSpec, parallel: ParallelConfig, arch: ModelConfig) -> None:
+    def __init__(self, args: ShardArgs, parallel: ParallelConfig, arch: ModelConfig) -> None:
         self.tp = parallel.tensor_parallel_size
-        check_tp_fits(arch, self.tp, spec.model_dir)
-        self.spec, self.parallel = spec, parallel
-        self.num_gpus = worker_gpus(parallel, spec.device)
+        check_tp_fits(arch, self.tp, args.model_dir)
+        self.args, self.parallel = args, parallel
+        self.num_gpus = worker_gpus(parallel, args.device)
         bundle = {"CPU": parallel.worker_num_cpus, **parallel.worker_resources}
         if self.num_gpus:
             bundle["GPU"] = self.num_gpus
@@ -55,7 +55,7 @@ class TargetGroup:
         self._start()
 
     def _start(self) -> None:
-        cls = ray.remote(TPWorker)
+        cls = ray.remote(TargetShardActor)
         p = self.parallel
         self.workers = [
             cls.options(
@@ -65,7 +65,7 @@ class TargetGroup:
                 max_restarts=0,  # a lone restarted shard cannot rejoin the process group
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
                 name=None,
-            ).remote(i, self.tp, self.spec)
+            ).remote(i, self.tp, self.args)
             for i in range(self.tp)
         ]
         try:

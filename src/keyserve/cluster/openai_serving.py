@@ -101,7 +101,7 @@ class OpenAIServing:
         engine_config = config.engine_config()
         limits = {"max_queued_requests": config.max_queued_requests, "request_timeout_s": config.request_timeout_s}
         if engine_config.parallel.uses_ray:
-            from keyserve.actors.engine import AsyncRayEngine
+            from keyserve.actors.ray_engine import AsyncRayEngine
 
             engine = AsyncRayEngine(engine_config, **limits)
         else:

@@ -76,7 +76,7 @@ def recent_window(k: int, recent_ratio: float) -> int:
 
 
 @dataclass(frozen=True)
-class BudgetSpec:
+class KVBudget:
     """A policy resolved for one budget: k, how many sinks and recent tokens are protected."""
 
     policy: KVPolicy
@@ -87,7 +87,7 @@ class BudgetSpec:
     @classmethod
     def create(
         cls, policy: KVPolicy | str, budget: int | None, recent_ratio: float = 0.3
-    ) -> "BudgetSpec":
+    ) -> "KVBudget":
         """StreamingLLM keeps min(4, k − 1) sinks so the new token always has a slot to take."""
         policy = KVPolicy(policy)
         if policy is KVPolicy.FULL or budget is None:
@@ -101,10 +101,10 @@ class BudgetSpec:
             return cls(policy, budget, sinks, budget - sinks)
         return cls(policy, budget, 0, recent_window(budget, recent_ratio))
 
-    def with_budget(self, budget: int) -> "BudgetSpec":
+    def with_budget(self, budget: int) -> "KVBudget":
         """The same rule at another k (recent share kept)."""
         ratio = self.num_recent / self.budget if self.budget else 0.0
-        return BudgetSpec.create(self.policy, budget, ratio)
+        return KVBudget.create(self.policy, budget, ratio)
 
     @property
     def by_score(self) -> bool:
@@ -291,14 +291,14 @@ class KVBudgetState:
 
     def __init__(
         self,
-        spec: BudgetSpec,
+        kv_budget: KVBudget,
         num_layers: int,
         num_kv_heads: int,
         *,
         num_spare: int = 0,
         device: torch.device | str | None = None,
     ) -> None:
-        self.spec = spec
+        self.kv_budget = kv_budget
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.num_spare = num_spare
@@ -308,7 +308,7 @@ class KVBudgetState:
         # [num_layers] tokens held per layer while they differ (a prefix loaded with fewer
         # tokens in some layers, until prompt-phase eviction evens them out); else None
         self.layer_held: torch.Tensor | None = None
-        cap = (spec.budget + num_spare) if spec.budget is not None else 16
+        cap = (kv_budget.budget + num_spare) if kv_budget.budget is not None else 16
         self._scores = torch.zeros(num_layers, num_kv_heads, cap, dtype=torch.float32,
                                    device=device)
         self._positions = torch.full_like(self._scores, -1, dtype=torch.long)
@@ -336,7 +336,7 @@ class KVBudgetState:
 
     @property
     def at_budget(self) -> bool:
-        return self.spec.budget is not None and self.num_slots >= self.spec.budget
+        return self.kv_budget.budget is not None and self.num_slots >= self.kv_budget.budget
 
     def _reserve(self, num_slots: int) -> None:
         cap = self._scores.shape[-1]
@@ -442,14 +442,14 @@ class KVBudgetState:
     def evict_down_to(self, k: int | None = None) -> torch.Tensor:  # [L, H, min(k, held)]
         """Evict until ``k`` (default: the budget) tokens are held and compact; several at once
         (speculative acceptance, prompt phase). Returns ``keep`` (see the module docstring)."""
-        k = self.spec.budget if k is None else k
+        k = self.kv_budget.budget if k is None else k
         if self.layer_held is not None and (k is None or int(self.layer_held.min()) < k):
             raise RuntimeError("a layer holds fewer tokens than the budget: layers would stay uneven")
         if self.layer_held is not None and self.num_slots <= k:
             self.layer_held = None  # every layer holds exactly k
         if k is None or self.num_slots <= k:
             return self._identity()
-        rule = self.spec if k == self.spec.budget else self.spec.with_budget(k)
+        rule = self.kv_budget if k == self.kv_budget.budget else self.kv_budget.with_budget(k)
         mask = select_keep_mask(
             self.positions, self.scores, k, self.num_tokens - 1,
             rule.num_sinks, rule.num_recent, rule.by_score,
@@ -519,8 +519,8 @@ def choose_victims_batch(
         slots = _stacked_victims(states, newp)
     else:
         slots = torch.stack([
-            choose_victims_one(s.positions, s.scores, p, s.spec.num_sinks, s.spec.num_recent,
-                               s.spec.by_score)
+            choose_victims_one(s.positions, s.scores, p, s.kv_budget.num_sinks, s.kv_budget.num_recent,
+                               s.kv_budget.by_score)
             if e else torch.full((s.num_layers, s.num_kv_heads), s.num_slots, device=dev)
             for s, p, e in zip(states, newp, evict)
         ])
@@ -544,10 +544,10 @@ def _stacked_victims(states: Sequence[KVBudgetState], newp: list[int]) -> torch.
         sc,
         as_t([s.num_slots for s in states]),
         as_t(newp),
-        as_t([s.spec.budget if s.spec.budget is not None else _NO_BUDGET for s in states]),
-        as_t([s.spec.num_sinks for s in states]),
-        as_t([s.spec.num_recent for s in states]),
-        as_t([s.spec.by_score for s in states], torch.bool),
+        as_t([s.kv_budget.budget if s.kv_budget.budget is not None else _NO_BUDGET for s in states]),
+        as_t([s.kv_budget.num_sinks for s in states]),
+        as_t([s.kv_budget.num_recent for s in states]),
+        as_t([s.kv_budget.by_score for s in states], torch.bool),
     )
     return slots
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from keyserve.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # a type only: a Sequence needs no torch
-    from keyserve.core.kv_policy import BudgetSpec
+    from keyserve.core.kv_policy import KVBudget
 
 
 class SequenceStatus(enum.Enum):
@@ -57,7 +57,7 @@ class Sequence:
     kv_slot_cap: int | None = None
     # The KV budget it runs under (None: it keeps every token), resolved once when its request
     # is added (``engine.kv_budget.request_budget``) and carried wherever the sequence goes.
-    kv_budget: BudgetSpec | None = None
+    kv_budget: KVBudget | None = None
     num_lookahead: int = 0  # draft tokens to verify at the next decode step (speculation)
     kv_tokens_held: int = 0  # per (layer, kv-head), recorded when a budgeted sequence ends
     kv_tokens_evicted: int = 0

@@ -21,7 +21,7 @@ from keyserve.engine.errors import InvalidParamError
 from keyserve.types import KVPolicyName
 
 SEED_RANGE = 2**63  # seeds are reduced into [0, 2**63) (a torch.Generator takes 64 bits)
-MAX_SPECULATIVE_TOKENS = 16  # the engine's K is at most this (config.SpecConfig)
+MAX_SPECULATIVE_TOKENS = 16  # the engine's K is at most this (config.SpeculativeConfig)
 MAX_TEMPERATURE = 1e4  # beyond this every token is equally likely; larger only overflows
 MAX_TAU = 1e4
 INT64_MAX = 2**63 - 1

@@ -26,18 +26,18 @@ from typing import Any
 
 import torch
 
-from keyserve.config import CacheConfig, EngineConfig, SpecConfig
+from keyserve.config import CacheConfig, EngineConfig, SpeculativeConfig
 from keyserve.config import ModelConfig as ModelOptions
 from keyserve.core.block_manager import BlockManager
 from keyserve.core.scheduler import SchedulerConfig
-from keyserve.engine.draft_worker import DraftBudget, DraftWorker, draft_budget
+from keyserve.engine.drafter import DraftBudget, Drafter, draft_budget
 from keyserve.engine.kv_budget import BudgetDefaults
 from keyserve.engine.kv_core import KVCore
 from keyserve.engine.model_runner import ModelRunner
 from keyserve.engine.prefix_store import EnginePrefixStore
 from keyserve.engine.speculative import SpeculativeDecoder
 from keyserve.model.config import ModelConfig
-from keyserve.model.draft import load_draft
+from keyserve.model.draft_model import load_draft
 from keyserve.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from keyserve.model.llama import LlamaForCausalLM
 from keyserve.model.loader import LoadedModel, load_model, resolve_model_dir
@@ -68,7 +68,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def draft_cost_ratio(config: SpecConfig, draft_bytes: int, target_bytes: int) -> float:
+def draft_cost_ratio(config: SpeculativeConfig, draft_bytes: int, target_bytes: int) -> float:
     """A draft forward's cost relative to the target's (adaptive K weighs it): the configured
     ratio, else the ratio of their weight bytes (decode is memory-bound)."""
     return config.draft_cost_ratio or min(1.0, draft_bytes / target_bytes)
@@ -185,7 +185,7 @@ def build_drafter(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
-) -> tuple[DraftWorker, int]:
+) -> tuple[Drafter, int]:
     """The draft model with its own KV pool (as many token slots as the target's) and block
     manager; returns the drafter and the draft's weight bytes."""
     loaded = load_draft(draft, target, dtype=dtype, device=device)
@@ -193,7 +193,7 @@ def build_drafter(
     if loaded.config.vocab_size != vocab:
         raise ValueError(f"draft vocabulary ({loaded.config.vocab_size}) differs from the target's ({vocab})")
     runner = build_runner(loaded.model, num_blocks, block_size, dtype, device)
-    worker = DraftWorker(runner, BlockManager(num_blocks, block_size, True), vocab, budget)
+    worker = Drafter(runner, BlockManager(num_blocks, block_size, True), vocab, budget)
     return worker, weight_bytes(loaded.model)
 
 
@@ -207,28 +207,21 @@ class KVCoreArgs:
     enable_prefix_caching: bool
     scheduler: SchedulerConfig
     max_model_len: int
-    speculative: SpecConfig | None  # set when a draft is configured (lookahead, adaptive K)
-    draft_cost_ratio: float = 1.0
 
 
-def core_args(
-    config: EngineConfig, num_blocks: int, max_model_len: int, spec: SpeculativeDecoder | None,
-) -> KVCoreArgs:
+def core_args(config: EngineConfig, num_blocks: int, max_model_len: int) -> KVCoreArgs:
     return KVCoreArgs(
         num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, scheduler_config(config),
-        max_model_len, config.spec if spec is not None else None,
-        spec.cost_ratio if spec is not None else 1.0,
+        max_model_len,
     )
 
 
-def build_core(args: KVCoreArgs, decoder: SpeculativeDecoder | None = None) -> KVCore:
-    """The KV-block manager side. In the engine's process it shares the engine's decoder; in
-    the KV-block manager actor it gets its own (lookahead and adaptive K, no drafter)."""
-    if decoder is None and args.speculative is not None:
-        decoder = SpeculativeDecoder(None, args.speculative, args.draft_cost_ratio)
+def build_core(args: KVCoreArgs) -> KVCore:
+    """The KV-block manager side, in the engine's process or in the KV-block manager actor. It
+    holds no speculative policy: the engine's ``SpeculativeDecoder`` sends it how many drafts
+    each sequence wants with every ``schedule``."""
     return KVCore(
-        args.num_blocks, args.block_size, args.enable_prefix_caching, args.scheduler,
-        args.max_model_len, decoder,
+        args.num_blocks, args.block_size, args.enable_prefix_caching, args.scheduler, args.max_model_len,
     )
 
 
@@ -244,7 +237,7 @@ class EngineParts:
     budget_defaults: BudgetDefaults  # the engine resolves every request's budget from it
     runner: Any  # ModelRunner | TargetGroup: apply_ops(ops), execute(step, draft_probs)
     core: Any  # KVCore | RemoteCore: add, schedule, commit, finish, stats
-    spec: SpeculativeDecoder | None  # its drafter: DraftWorker | RemoteDrafter
+    speculative: SpeculativeDecoder | None  # the engine's one speculative policy; its drafter: Drafter | RemoteDrafter
     device: torch.device  # of this process's model (the CPU when the model is remote)
     loaded: LoadedModel | None = None
     prefix_store: EnginePrefixStore | None = None
@@ -263,15 +256,15 @@ def build_local_parts(config: EngineConfig, loaded: LoadedModel | None = None) -
     num_blocks = kv_pool_blocks(config.cache, arch, dtype)
     budget = budget_defaults(config)
     runner = build_runner(loaded.model, num_blocks, block_size, dtype, device)
-    spec = None
+    speculative = None
     if config.spec.draft is not None:
         drafter, draft_bytes = build_drafter(
             config.spec.draft, draft_budget(config.spec), loaded, num_blocks, block_size, dtype, device
         )
         cost = draft_cost_ratio(config.spec, draft_bytes, weight_bytes(loaded.model))
-        spec = SpeculativeDecoder(drafter, config.spec, cost)
-    core = build_core(core_args(config, num_blocks, max_model_len, spec), spec)
+        speculative = SpeculativeDecoder(drafter, config.spec, cost)
+    core = build_core(core_args(config, num_blocks, max_model_len))
     store = None
     if config.prefix_store.enabled:  # IMPRESS: hooks itself into the core and the pool
         store = EnginePrefixStore(config.prefix_store, core, runner)
-    return EngineParts(arch, loaded.tokenizer, max_model_len, budget, runner, core, spec, device, loaded, store)
+    return EngineParts(arch, loaded.tokenizer, max_model_len, budget, runner, core, speculative, device, loaded, store)

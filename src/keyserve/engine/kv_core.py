@@ -14,7 +14,6 @@ kept and whether the sequence finished (``SeqUpdate``).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -25,7 +24,6 @@ from keyserve.engine.kv_budget.compaction import plan_prompt_compaction, settle_
 from keyserve.engine.stats import CoreStats
 from keyserve.engine.step_input import ForkOp, ReleaseOp, RetainOp, RunnerOp, SeqInfo, StepInput, StepItem
 
-log = logging.getLogger(__name__)
 
 
 class SeqStat(NamedTuple):
@@ -73,12 +71,10 @@ class KVCore:
         enable_prefix_caching: bool,
         scheduler_config: SchedulerConfig,
         max_model_len: int,
-        spec: object | None = None,  # a SpeculativeDecoder: lookahead and adaptive K
     ) -> None:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.max_model_len = max_model_len
-        self.spec = spec
         self.seqs: dict[int, Sequence] = {}
         self.pending: dict[int, list[Sequence]] = {}  # parent seq_id -> siblings not yet forked
         self.forced: dict[int, list[int]] = {}  # seq_id -> teacher-forced output tokens
@@ -130,19 +126,16 @@ class KVCore:
         return list(dict.fromkeys(seq.request_id for seq in self.scheduler.waiting))
 
     # -------------------------------------------------------------- schedule
-    def schedule(self, speculate: bool = True) -> CoreReply:
-        """The next step's input (or None) and the stats of sequences it preempted."""
-        spec = self.spec if speculate else None
+    def schedule(self, lookahead: dict[int, int] | None = None) -> CoreReply:
+        """The next step's input (or None) and the stats of sequences it preempted.
+        ``lookahead``: seq_id -> draft tokens to reserve KV for (the engine's
+        ``SpeculativeDecoder.lookaheads``; None = no speculation this step). Only a decoding
+        sequence gets them, and under a KV budget only once its prompt-phase selection is done."""
+        wanted = lookahead or {}
         for seq in self.scheduler.running:
-            try:
-                seq.num_lookahead = (
-                    spec.lookahead(seq, self.max_model_len)  # type: ignore[attr-defined]
-                    if spec is not None and seq.num_uncomputed_tokens == 1
-                    else 0
-                )
-            except Exception:  # noqa: BLE001 — its speculative settings: it decodes plainly
-                log.warning("no speculation for sequence %d", seq.seq_id, exc_info=True)
-                seq.num_lookahead = 0
+            decoding = seq.num_uncomputed_tokens == 1
+            selecting = seq.kv_budgeted and seq.kv_slot_cap is None
+            seq.num_lookahead = wanted.get(seq.seq_id, 0) if decoding and not selecting else 0
         plan = self.scheduler.schedule()
         stats = {s.seq_id: self._stat(s) for s in plan.preempted}
         if plan.is_empty:
@@ -199,8 +192,6 @@ class KVCore:
             if seq.kv_slot_cap is not None:  # budgeted: settled before the spare blocks go below
                 ops.append(settle_op(seq))
             bm.truncate(seq, seq.kv_slots_for(seq.num_computed_tokens))  # drop rejected slots
-            if self.spec is not None and up.num_draft:
-                self.spec.adapt(seq.seq_id, up.num_draft, up.num_accepted)  # type: ignore[attr-defined]
             if not self._apply(seq, up, ops):
                 bm.commit_computed(seq)
         forced = [it.seq for it in live if it.seq.seq_id in flight.forced]
@@ -247,8 +238,6 @@ class KVCore:
         seq.finish_reason = seq.finish_reason or reason
         self.scheduler.remove(seq)
         ops.append(ReleaseOp(seq.seq_id))
-        if self.spec is not None:
-            self.spec.forget(seq.seq_id)  # type: ignore[attr-defined]
         self.seqs.pop(seq.seq_id, None)
         self.forced.pop(seq.seq_id, None)
         self.known.discard(seq.seq_id)

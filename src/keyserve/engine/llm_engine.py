@@ -1,8 +1,8 @@
 """The engine: requests in, one scheduler step at a time, outputs out.
 
-A step is schedule (``KVCore``) -> propose (draft worker) -> execute (model runner: forward,
+A step is schedule (``KVCore``) -> propose (drafter) -> execute (model runner: forward,
 sample, verify) -> accept (stop checks, here) -> commit (``KVCore``) -> emit. In this process
-the three sides are local objects; ``keyserve.actors.engine.RayEngine`` runs this same class
+the three sides are local objects; ``keyserve.actors.ray_engine.RayEngine`` runs this same class
 with the KV-block manager, the draft and the tensor-parallel target group as Ray actors behind
 the same three interfaces. This class owns what only the front needs: requests, detokenizers,
 stop conditions and outputs -- and every request's tokens, from which anything lost is recomputed.
@@ -25,7 +25,7 @@ from keyserve.engine.admission import EngineLimits, admit_params, check_token_id
 from keyserve.engine.build import EngineParts, build_local_parts
 from keyserve.engine.detokenizer import IncrementalDetokenizer
 from keyserve.engine.errors import InvalidParamError, PromptTooLongError
-from keyserve.engine.kv_budget.spec import request_budget
+from keyserve.engine.kv_budget.resolve import request_budget
 from keyserve.engine.kv_core import SeqStat, SeqUpdate
 from keyserve.engine.outputs import CompletionOutput, RequestOutput, RequestStats
 from keyserve.engine.stats import EngineStats
@@ -118,8 +118,8 @@ class LLMEngine:
         self.vocab_size = parts.arch.vocab_size
         self.budget_defaults = parts.budget_defaults
         self.core = parts.core
-        self.spec = parts.spec
-        self.drafter = parts.spec.drafter if parts.spec is not None else None
+        self.speculative = parts.speculative
+        self.drafter = parts.speculative.drafter if parts.speculative is not None else None
         self.eos_token_ids = self._eos_ids(parts.arch)
         self.requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, _Request] = {}
@@ -226,7 +226,7 @@ class LLMEngine:
     def limits(self) -> EngineLimits:
         """What a request may ask of this engine (admission checks against it)."""
         return EngineLimits(self.vocab_size, self.max_model_len, self.config.scheduler.max_num_seqs,
-                            self.spec is not None)
+                            self.speculative is not None)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request and free its blocks."""
@@ -283,7 +283,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         drafter = self.drafter
         speculate = drafter is not None and getattr(drafter, "available", True)
-        scheduled = self.core.schedule(speculate)
+        scheduled = self.core.schedule(self._lookahead() if speculate else None)
         self._apply_seq_stats(scheduled.seq_stats)
         step = self._running_step = scheduled.step
         self.last_step_empty = step is None or step.is_empty
@@ -296,6 +296,14 @@ class LLMEngine:
         out = self.runner.execute(step, draft_probs)
         self.num_steps += 1
         return self._accept(step, out)
+
+    def _lookahead(self) -> dict[int, int]:
+        """Draft tokens each decoding sequence wants next step (the KV core reserves their
+        slots): asked of the engine's one speculative policy, for the sequences that have
+        sampled a token and are not finished."""
+        assert self.speculative is not None
+        live = (s for s in self._seqs.values() if s.output_token_ids and not s.is_finished)
+        return self.speculative.lookaheads(live, self.max_model_len)
 
     def _propose(self, step: StepInput) -> torch.Tensor | None:
         """Draft tokens for every item with reserved lookahead, in one batched call; items the
@@ -343,8 +351,8 @@ class LLMEngine:
             try:
                 if item.verifies:
                     accepted = out.num_accepted[item.seq_id]
-                    if self.spec is not None:
-                        self.spec.record(req.request_id, len(item.draft_token_ids), accepted)
+                    if self.speculative is not None:
+                        self.speculative.record(req.request_id, item.seq_id, len(item.draft_token_ids), accepted)
                     update = updates[item.seq_id] = self._emit(req, self._seqs[item.seq_id], out, now)
                     update.num_accepted = accepted
                     update.num_draft = len(item.draft_token_ids)
@@ -490,8 +498,8 @@ class LLMEngine:
         stats = self._kv_stats.pop(seq.seq_id, None)
         if stats is not None:
             seq.kv_tokens_held, seq.kv_tokens_evicted = stats
-        if self.drafter is not None:
-            self.drafter.release(seq)
+        if self.speculative is not None:
+            self.speculative.release(seq)  # the drafter's mirror and adaptive K's estimate
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()
@@ -536,9 +544,9 @@ class LLMEngine:
         )
 
     def _spec_stats(self, req: _Request) -> dict:
-        if self.spec is None or req.request_id not in self.spec.request_stats:
+        if self.speculative is None or req.request_id not in self.speculative.request_stats:
             return {}
-        st = self.spec.request_stats[req.request_id]
+        st = self.speculative.request_stats[req.request_id]
         return {
             "spec_draft_tokens": st.num_draft_tokens,
             "spec_accepted_tokens": st.num_accepted_tokens,
@@ -565,8 +573,8 @@ class LLMEngine:
             self._seqs.pop(seq.seq_id, None)
             self._blocks.pop(seq.seq_id, None)
         out = self._snapshot(req)
-        if self.spec is not None:
-            self.spec.pop_request_stats(req.request_id)
+        if self.speculative is not None:
+            self.speculative.pop_request_stats(req.request_id)
         self.finished_prompt_tokens += out.stats.prompt_tokens
         self.finished_generated_tokens += out.stats.generated_tokens
         self.finished_kv_evicted += out.stats.kv_tokens_evicted
@@ -578,7 +586,7 @@ class LLMEngine:
         over finished requests (what ``/metrics`` exports). The same call, in one process or
         over Ray (the KV core's counts come back with every step)."""
         core = self.core.stats()
-        spec = self.spec.stats if self.spec is not None else None
+        acceptance = self.speculative.stats if self.speculative is not None else None
         return EngineStats(
             num_requests_running=core.num_running_requests,
             num_requests_waiting=len(self.requests) - core.num_running_requests,
@@ -589,8 +597,8 @@ class LLMEngine:
             prefix_cache_hits=core.prefix_cache_hits,
             num_preemptions=core.num_preemptions,
             kv_tokens_evicted=self.finished_kv_evicted,
-            spec_draft_tokens=spec.num_draft_tokens if spec else 0,
-            spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_draft_tokens=acceptance.num_draft_tokens if acceptance else 0,
+            spec_accepted_tokens=acceptance.num_accepted_tokens if acceptance else 0,
             prompt_tokens=self.finished_prompt_tokens,
             generation_tokens=self.finished_generated_tokens,
             num_steps=self.num_steps,

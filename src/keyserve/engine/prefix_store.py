@@ -137,7 +137,7 @@ class EnginePrefixStore:
         if not bool((state.positions == torch.arange(n, device=state.device)).all()):
             return  # loaded with tokens dropped: its later KV is approximate, never stored
         # A copy: ``state.scores`` is a view that compaction and later steps rewrite.
-        scores = state.scores.float().cpu().clone() if state.spec.by_score else None
+        scores = state.scores.float().cpu().clone() if state.kv_budget.by_score else None
         self._defer(seq.token_ids[:n], list(seq.block_table), scores)
 
     def _defer(
@@ -231,10 +231,10 @@ class EnginePrefixStore:
             # A prefix shorter than what follows (a shared system prompt before a new document)
             # loads whole: the prompt computed after it stays exact and can itself be stored.
             return m
-        spec = seq.kv_budget
-        if spec is None or spec.budget is None or spec.budget >= seq.num_tokens:
+        kv_budget = seq.kv_budget
+        if kv_budget is None or kv_budget.budget is None or kv_budget.budget >= seq.num_tokens:
             return None
-        return min(m, max(0, spec.budget - rest))
+        return min(m, max(0, kv_budget.budget - rest))
 
     def _needs_scores(self, seq: Sequence) -> bool:
         """H2O / Keyformer evict by accumulated scores: a prefix stored without them is
@@ -244,10 +244,10 @@ class EnginePrefixStore:
     def _start_budget(self, seq: Sequence, loaded: LoadedPrefix) -> None:
         """The runner's KV-budget state starts from the loaded tokens (original positions, the
         scores stored with them) instead of an empty prompt phase."""
-        spec = seq.kv_budget
-        assert spec is not None
+        kv_budget = seq.kv_budget
+        assert kv_budget is not None
         tracker = self.runner.budget  # type: ignore[attr-defined]
-        state = tracker.start(seq, spec)
+        state = tracker.start(seq, kv_budget)
         L, C = loaded.positions.shape
         heads = tracker.num_kv_heads
         scores = loaded.scores if loaded.scores is not None else torch.zeros(L, heads, C)

@@ -1,25 +1,33 @@
 """Speculative sampling in the engine step (docs/algorithms.md §3): how many drafts, propose,
 verify.
 
-Per step, every decoding sequence that speculates gets ``K`` draft tokens from the draft worker;
+Per step, every decoding sequence that speculates gets ``K`` draft tokens from the drafter;
 the target scores all ``K + 1`` positions in the same forward as the rest of the batch;
 ``core.spec_decode.verify_drafts`` (run by the model runner, where the per-sequence generators
 live) decides with the pure, vectorised ``rejection_sample`` what is accepted; the engine
 appends the accepted tokens plus one recovered or bonus token and rolls both KV caches back to
 that length.
 ``SpeculativeDecoder`` keeps the engine-side part: how many drafts, statistics, adaptive K.
+There is one per engine, in the engine's process: it sends the KV core how many drafts each
+sequence wants (``lookaheads``, with ``KVCore.schedule``), so the core (in the engine's process
+or in the KV-block manager actor) holds no speculative policy of its own.
 """
 
 from __future__ import annotations
 
-from keyserve.config import SpecConfig
+import logging
+from collections.abc import Iterable
+
+from keyserve.config import SpeculativeConfig
 from keyserve.core.sequence import Sequence
 from keyserve.core.spec_decode import AcceptanceStats, AdaptiveK
-from keyserve.engine.draft_worker import DraftWorker
+from keyserve.engine.drafter import Drafter
+
+log = logging.getLogger(__name__)
 
 
 class SpeculativeDecoder:
-    def __init__(self, drafter: DraftWorker | None, config: SpecConfig, cost_ratio: float) -> None:
+    def __init__(self, drafter: Drafter | None, config: SpeculativeConfig, cost_ratio: float) -> None:
         self.drafter = drafter
         self.config = config
         self.cost_ratio = cost_ratio
@@ -35,8 +43,6 @@ class SpeculativeDecoder:
         """Draft tokens for this sequence's next decode step (0 = decode plainly)."""
         if not self.enabled_for(seq):
             return 0
-        if seq.kv_budgeted and seq.kv_slot_cap is None:
-            return 0  # under a budget, the prompt-phase selection comes first
         k = seq.params.num_speculative_tokens or self.config.num_speculative_tokens
         if self.config.adaptive_k:
             adaptive = self._adaptive.get(seq.seq_id)
@@ -51,13 +57,30 @@ class SpeculativeDecoder:
         )
         return max(0, min(k, room - 1))
 
-    def record(self, request_id: str, num_draft: int, num_accepted: int) -> None:
-        """Statistics of one verification (engine total and per request)."""
+    def lookaheads(self, seqs: Iterable[Sequence], max_model_len: int) -> dict[int, int]:
+        """seq_id -> draft tokens wanted next step, for the sequences that want any. The KV core
+        reserves them only for a sequence that decodes this step and is not waiting for its
+        prompt-phase KV selection."""
+        wanted: dict[int, int] = {}
+        for seq in seqs:
+            try:
+                k = self.lookahead(seq, max_model_len)
+            except Exception:  # noqa: BLE001 — its speculative settings: it decodes plainly
+                log.warning("no speculation for sequence %d", seq.seq_id, exc_info=True)
+                k = 0
+            if k:
+                wanted[seq.seq_id] = k
+        return wanted
+
+    def record(self, request_id: str, seq_id: int, num_draft: int, num_accepted: int) -> None:
+        """Statistics of one verification (engine total and per request), and adaptive K's
+        acceptance estimate for the sequence."""
         self.stats.update([num_draft], [num_accepted])
         self.request_stats.setdefault(request_id, AcceptanceStats()).update([num_draft], [num_accepted])
+        self.adapt(seq_id, num_draft, num_accepted)
 
     def adapt(self, seq_id: int, num_draft: int, num_accepted: int) -> None:
-        """Feed adaptive K's acceptance estimate (the scheduler side picks K)."""
+        """Feed adaptive K's acceptance estimate (``lookahead`` picks K from it)."""
         adaptive = self._adaptive.get(seq_id)
         if adaptive is not None and num_draft:
             adaptive.observe([num_draft], [num_accepted])

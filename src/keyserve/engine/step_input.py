@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from keyserve.core.block_manager import BlockCopy
-from keyserve.core.kv_policy import BudgetSpec
+from keyserve.core.kv_policy import KVBudget
 from keyserve.core.sampling_params import SamplingParams
 
 
@@ -42,7 +42,7 @@ class StepItem:
     sample_seq_ids: list[int] = field(default_factory=list)  # sample the last row into each
     forced_token_id: int | None = None  # teacher forcing: report its log-prob, sample nothing
     return_logits: int = 0  # return raw logits of this many last rows (the draft's own use)
-    budget: BudgetSpec | None = None  # set for a sequence under a KV budget
+    budget: KVBudget | None = None  # set for a sequence under a KV budget
     # Under a budget: write this step's tokens into fresh spare slots beyond k, evicting
     # nothing, because they are speculative; a later ``SettleOp`` drops or keeps them.
     spare: bool = False

@@ -48,8 +48,8 @@ def default_gguf_path(install: bool = True) -> Path:
 
 def _find_default_gguf() -> Path | None:
     importlib.invalidate_caches()
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    for location in list(spec.submodule_search_locations or []) if spec else []:
+    found = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    for location in list(found.submodule_search_locations or []) if found else []:
         path = Path(location) / DEFAULT_GGUF_FILE
         if path.is_file():
             return path

@@ -3,7 +3,7 @@
 
 This is a tool, not part of serving: the runtime packages (config, core, kernels, model,
 engine, actors, cluster) never import it; serving reads what it writes through
-``keyserve.model.draft.load_draft``. Only ``keyserve.cli`` imports it, inside the
+``keyserve.model.draft_model.load_draft``. Only ``keyserve.cli`` imports it, inside the
 ``distill-draft`` command.
 
 The pipeline: build a varied prompt set offline (``prompts``), let the target answer it while

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from keyserve.model.draft import load_draft
+from keyserve.model.draft_model import load_draft
 from keyserve.model.loader import LoadedModel, load_model
 from keyserve.training.dense import DenseLlama
 from keyserve.training.generate import GenerationJob, generate_answers

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from keyserve.model.draft import DraftMeta, embedding_checksum, tokenizer_fingerprint
+from keyserve.model.draft_model import DraftMeta, embedding_checksum, tokenizer_fingerprint
 from keyserve.model.loader import LoadedModel, load_model
 from keyserve.model.paths import DEFAULT_MODEL_NAME
 from keyserve.training.dense import DenseLlama
@@ -68,10 +68,10 @@ class DistillOptions:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def init_layer_ids(spec: str | None, num_layers: int, target_layers: int) -> list[int]:
-    """Target layers to copy: ``spec`` ("0,29"), else evenly spaced from first to last."""
-    if spec:
-        ids = [int(x) for x in spec.split(",")]
+def init_layer_ids(layers: str | None, num_layers: int, target_layers: int) -> list[int]:
+    """Target layers to copy: ``layers`` ("0,29"), else evenly spaced from first to last."""
+    if layers:
+        ids = [int(x) for x in layers.split(",")]
         if len(ids) != num_layers:
             raise ValueError(f"--init-layers names {len(ids)} layers but --layers is {num_layers}")
     elif num_layers == 1:

@@ -1,4 +1,4 @@
-"""Writing a trained draft as a directory ``keyserve.model.draft.load_draft`` reads.
+"""Writing a trained draft as a directory ``keyserve.model.draft_model.load_draft`` reads.
 
 Files: ``config.json`` (the draft's Llama config: the target's, with fewer layers and an untied
 head), ``model.safetensors`` (layers, final norm, the ``[N, hidden]`` pruned LM head; no
@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from keyserve.model.config import ModelConfig
-from keyserve.model.draft import DRAFT_META_FILE, DraftMeta
+from keyserve.model.draft_model import DRAFT_META_FILE, DraftMeta
 from keyserve.training.dense import DenseLlama
 
 WEIGHTS_FILE = "model.safetensors"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from keyserve.model.draft import DRAFT_META_FILE, DraftMeta, resolve_draft_dir
+from keyserve.model.draft_model import DRAFT_META_FILE, DraftMeta, resolve_draft_dir
 
 
 class PrunedLMHead(nn.Module):

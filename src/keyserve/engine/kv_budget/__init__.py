@@ -1,6 +1,6 @@
 """KV budgets in the engine, in one place (the pure policies are in ``core/kv_policy.py``).
 
-- ``spec.py``: which budget a request runs under, resolved once when it is added
+- ``resolve.py``: which budget a request runs under, resolved once when it is added
   (``request_budget``; the server's ``BudgetDefaults``); it rides on ``Sequence.kv_budget``.
 - ``slots.py``: slot planning for one step (``SlotPlanner``): where each budgeted token's K/V
   goes, the attention rows it adds, which scores the kernels return.
@@ -19,8 +19,8 @@ from keyserve.engine.kv_budget.compaction import (
     plan_prompt_compaction,
     settle_op,
 )
+from keyserve.engine.kv_budget.resolve import BudgetDefaults, request_budget, resolve_budget
 from keyserve.engine.kv_budget.slots import AttentionRows, ScoreRows, SlotPlanner, physical_slots
-from keyserve.engine.kv_budget.spec import BudgetDefaults, request_budget, resolve_budget
 from keyserve.engine.kv_budget.tracker import KVBudgetTracker
 
 __all__ = [

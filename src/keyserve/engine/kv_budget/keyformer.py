@@ -15,15 +15,15 @@ from collections.abc import Iterator
 
 import torch
 
-from keyserve.core.kv_policy import BudgetSpec, KVPolicy, keyformer_tau
+from keyserve.core.kv_policy import KVBudget, KVPolicy, keyformer_tau
 from keyserve.engine.step_input import SeqInfo, StepItem
 
 
-def tau(spec: BudgetSpec, seq_infos: dict[int, SeqInfo], item: StepItem, decoding: bool, offset: int = 0) -> float:
+def tau(kv_budget: KVBudget, seq_infos: dict[int, SeqInfo], item: StepItem, decoding: bool, offset: int = 0) -> float:
     """Keyformer's temperature for one attention row of ``item``: 1 in the prompt phase (and
     for every other policy), then the linear schedule; ``offset`` is the row's distance from
     the item's first query (verification rows)."""
-    if not decoding or spec.policy is not KVPolicy.KEYFORMER:
+    if not decoding or kv_budget.policy is not KVPolicy.KEYFORMER:
         return 1.0
     p = seq_infos[item.seq_id].params
     step = max(0, item.num_output_tokens - 1 + offset)

@@ -159,7 +159,7 @@ class SlotPlanner:
         return physical_slots(logical.cpu(), torch.tensor(table, dtype=torch.int64), self.block_size), mode
 
     def _tau(self, item: StepItem, state: KVBudgetState, decoding: bool, offset: int = 0) -> float:
-        return tau(state.spec, self.seq_infos, item, decoding, offset)
+        return tau(state.kv_budget, self.seq_infos, item, decoding, offset)
 
     def slot_mapping(
         self,

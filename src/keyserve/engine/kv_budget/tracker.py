@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from keyserve.core.kv_policy import BudgetSpec, KVBudgetState, choose_victims_batch, score_mode
+from keyserve.core.kv_policy import KVBudget, KVBudgetState, choose_victims_batch, score_mode
 from keyserve.engine.kv_budget.slots import ScoreRows
 from keyserve.engine.step_input import StepItem, describe_failure
 from keyserve.kernels.metadata import LayerScores
@@ -42,9 +42,9 @@ class KVBudgetTracker:
         # [K + 1, L, H, max_ctx] or None until the forward returns them), kept until settled.
         self.pending: dict[int, tuple[int, torch.Tensor | None]] = {}
 
-    def start(self, seq: HasSeqId, spec: BudgetSpec) -> KVBudgetState:
+    def start(self, seq: HasSeqId, kv_budget: KVBudget) -> KVBudgetState:
         """A fresh prompt phase (new request, or recomputation after preemption)."""
-        state = KVBudgetState(spec, self.num_layers, self.num_kv_heads, device=self.device)
+        state = KVBudgetState(kv_budget, self.num_layers, self.num_kv_heads, device=self.device)
         self.states[seq.seq_id] = state
         self.compacted.discard(seq.seq_id)
         self.pending.pop(seq.seq_id, None)
@@ -83,7 +83,7 @@ class KVBudgetTracker:
 
     def score_mode(self, seq: HasSeqId) -> str | None:
         state = self.states.get(seq.seq_id)
-        return None if state is None else score_mode(state.spec.policy)
+        return None if state is None else score_mode(state.kv_budget.policy)
 
     # ---------------------------------------------------------- after forward
     def accumulate(
@@ -139,7 +139,7 @@ class KVBudgetTracker:
         settled: the accepted positions kept, then evictions down to the budget."""
         state = self.states[item.seq_id]
         held = state.num_slots - item.num_query_tokens + num_accepted + 1
-        k = state.spec.budget if state.spec.budget is not None else held
+        k = state.kv_budget.budget if state.kv_budget.budget is not None else held
         return min(held, k), state.num_evicted + max(0, held - k)
 
     # ------------------------------------------------------------- compaction

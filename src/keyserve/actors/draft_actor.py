@@ -1,4 +1,4 @@
-"""The draft model as a Ray actor (thin, around ``engine.draft_worker.DraftWorker``), and the
+"""The draft model as a Ray actor (thin, around ``engine.drafter.Drafter``), and the
 engine-side client that keeps its per-step message small.
 
 The actor holds the draft weights, its paged KV and block manager, and a shadow of every target
@@ -20,12 +20,12 @@ from keyserve.config import ParallelConfig
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import Sequence
 from keyserve.engine import build
-from keyserve.engine.draft_worker import DraftBudget, Proposal
+from keyserve.engine.drafter import DraftBudget, Proposal
 
 
 @dataclass
-class DraftSpec:
-    draft: str  # what SpecConfig.draft names
+class DraftActorArgs:
+    draft: str  # what SpeculativeConfig.draft names
     target_dir: str  # the target's resolved directory (tokenizer, embeddings, vocab)
     dtype: str
     device: str
@@ -63,13 +63,13 @@ class DraftTokens:
 class DraftActor:
     """Applied ``ray.remote`` by ``RemoteDrafter``."""
 
-    def __init__(self, spec: DraftSpec) -> None:
-        torch.manual_seed(spec.seed)
-        device = build.resolve_device(spec.device)
-        dtype = build.resolve_dtype(spec.dtype, device.type)
-        target = build.draft_target(spec.target_dir, dtype, device)
+    def __init__(self, args: DraftActorArgs) -> None:
+        torch.manual_seed(args.seed)
+        device = build.resolve_device(args.device)
+        dtype = build.resolve_dtype(args.dtype, device.type)
+        target = build.draft_target(args.target_dir, dtype, device)
         self.worker, self.weight_bytes = build.build_drafter(
-            spec.draft, spec.budget, target, spec.num_blocks, spec.block_size, dtype, device
+            args.draft, args.budget, target, args.num_blocks, args.block_size, dtype, device
         )
         self.targets: dict[int, Sequence] = {}
         self.incarnation = new_incarnation()
@@ -116,11 +116,11 @@ class DraftActor:
 
 class RemoteDrafter:
     """The engine's drafter when the draft is an actor: same ``propose``/``release`` as
-    ``DraftWorker``. If the actor is lost, it proposes nothing (the engine decodes without
+    ``Drafter``. If the actor is lost, it proposes nothing (the engine decodes without
     speculation) until the actor is back -- restarted by Ray, or recreated here."""
 
-    def __init__(self, spec: DraftSpec, parallel: ParallelConfig, num_gpus: float) -> None:
-        self.spec, self.parallel, self.num_gpus = spec, parallel, num_gpus
+    def __init__(self, args: DraftActorArgs, parallel: ParallelConfig, num_gpus: float) -> None:
+        self.args, self.parallel, self.num_gpus = args, parallel, num_gpus
         self.actor = self._create()
         self.incarnation, self.weight_bytes = ray.get(self.actor.ready.remote())
         self._seen: dict[int, int] = {}  # seq_id -> tokens the actor has for it
@@ -133,7 +133,7 @@ class RemoteDrafter:
         return ray.remote(DraftActor).options(
             num_cpus=p.draft_num_cpus, num_gpus=self.num_gpus, resources=dict(p.draft_resources),
             max_restarts=p.max_restarts,
-        ).remote(self.spec)
+        ).remote(self.args)
 
     @property
     def available(self) -> bool:

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from keyserve.actors.common import CoreLost, ShardLost, ensure_ray
-from keyserve.actors.draft_worker import DraftSpec, RemoteDrafter
-from keyserve.actors.kv_manager import RemoteCore
+from keyserve.actors.draft_actor import DraftActorArgs, RemoteDrafter
+from keyserve.actors.kv_manager_actor import RemoteCore
 from keyserve.actors.target_group import TargetGroup, worker_gpus
-from keyserve.actors.tp_worker import WorkerSpec, check_tp_fits
+from keyserve.actors.target_shard_actor import ShardArgs, check_tp_fits
 from keyserve.config import EngineConfig
 from keyserve.engine import build
 from keyserve.engine.async_engine import AsyncLLMEngine
-from keyserve.engine.draft_worker import draft_budget
+from keyserve.engine.drafter import draft_budget
 from keyserve.engine.llm_engine import LLMEngine
 from keyserve.engine.outputs import RequestOutput
 from keyserve.engine.speculative import SpeculativeDecoder
@@ -68,22 +68,22 @@ class RayEngine(LLMEngine):
         block_size = config.cache.block_size
         num_blocks = build.kv_pool_blocks(config.cache, arch, dtype, par.tensor_parallel_size)
         budget = build.budget_defaults(config)
-        worker = WorkerSpec(str(model_dir), config.model.dtype, config.model.device, num_blocks, block_size,
+        worker = ShardArgs(str(model_dir), config.model.dtype, config.model.device, num_blocks, block_size,
                             par.backend, par.collective_timeout_s, config.seed, par.worker_threads)
         self.group = TargetGroup(worker, par, arch)
-        spec = None
+        speculative = None
         if config.spec.draft is not None:
             gpus = par.draft_num_gpus if par.draft_num_gpus is not None else worker_gpus(par, config.model.device)
             self.drafter_client = RemoteDrafter(
-                DraftSpec(config.spec.draft, str(model_dir), config.model.dtype, config.model.device,
-                          num_blocks, block_size, config.seed, draft_budget(config.spec)),
+                DraftActorArgs(config.spec.draft, str(model_dir), config.model.dtype, config.model.device,
+                               num_blocks, block_size, config.seed, draft_budget(config.spec)),
                 par, gpus,
             )
             cost = build.draft_cost_ratio(config.spec, self.drafter_client.weight_bytes, self.group.weight_bytes)
-            spec = SpeculativeDecoder(self.drafter_client, config.spec, cost)
-        self.core_client = RemoteCore(build.core_args(config, num_blocks, max_model_len, spec), par)
+            speculative = SpeculativeDecoder(self.drafter_client, config.spec, cost)
+        self.core_client = RemoteCore(build.core_args(config, num_blocks, max_model_len), par)
         return build.EngineParts(
-            arch, tokenizer, max_model_len, budget, self.group, self.core_client, spec,
+            arch, tokenizer, max_model_len, budget, self.group, self.core_client, speculative,
             torch.device("cpu"),  # the shards pick their own devices
         )
 

@@ -35,11 +35,13 @@ class KVManagerActor:
         return self.incarnation
 
     def step(
-        self, commands: list[Command], schedule: bool, speculate: bool, incarnation: str | None
+        self, commands: list[Command], schedule: bool, lookahead: dict[int, int] | None,
+        incarnation: str | None,
     ) -> tuple[CoreReply, CoreStats] | None:
         """Apply the queued commands, then (``schedule``) the next step with the model-side ops
-        accumulated since the last one, and the core's counts. None: this actor restarted and
-        holds none of the engine's requests (``incarnation`` is not its own)."""
+        accumulated since the last one, and the core's counts. ``lookahead``: the draft tokens
+        the engine's speculative policy wants per sequence (``KVCore.schedule``). None: this
+        actor restarted and holds none of the engine's requests (``incarnation`` is not its own)."""
         if incarnation not in (None, self.incarnation):
             return None
         stats: dict[int, SeqStat] = {}
@@ -49,7 +51,7 @@ class KVManagerActor:
             stats.update(result.seq_stats)
         step = None
         if schedule:
-            scheduled = self.core.schedule(speculate)
+            scheduled = self.core.schedule(lookahead)
             stats.update(scheduled.seq_stats)
             step = scheduled.step
             if step is None and self.ops:  # nothing to run, but ops for the model side
@@ -121,8 +123,8 @@ class RemoteCore:
         self.commands.append(("commit", updates))
         return CoreReply()
 
-    def schedule(self, speculate: bool = True) -> CoreReply:
-        return self._call(schedule=True, speculate=speculate)
+    def schedule(self, lookahead: dict[int, int] | None = None) -> CoreReply:
+        return self._call(schedule=True, lookahead=lookahead)
 
     def stats(self) -> CoreStats:
         """The core's counts as of the last step (they come back with every call)."""
@@ -137,10 +139,10 @@ class RemoteCore:
             return []
 
     # ------------------------------------------------------------- plumbing
-    def _call(self, schedule: bool, speculate: bool = False) -> CoreReply:
+    def _call(self, schedule: bool, lookahead: dict[int, int] | None = None) -> CoreReply:
         commands, self.commands = self.commands, []
         try:
-            answer = ray.get(self.actor.step.remote(commands, schedule, speculate, self.incarnation))
+            answer = ray.get(self.actor.step.remote(commands, schedule, lookahead, self.incarnation))
         except ACTOR_LOST as e:
             self.num_losses += 1
             raise CoreLost(f"the KV-block manager died: {e}") from e

@@ -15,7 +15,7 @@ from helpers.paged_runner import PagedRunner
 from safetensors import safe_open
 
 from keyserve.cli import main as cli_main
-from keyserve.model.draft import (
+from keyserve.model.draft_model import (
     DRAFT_META_FILE,
     DraftError,
     DraftMeta,

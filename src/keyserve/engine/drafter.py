@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from keyserve.config import SpecConfig
+from keyserve.config import SpeculativeConfig
 from keyserve.core.block_manager import BlockManager
-from keyserve.core.kv_policy import BudgetSpec
+from keyserve.core.kv_policy import KVBudget
 from keyserve.core.sampler import SamplingTensors, exponential_noise, make_generator, processed_probs
 from keyserve.core.sequence import Sequence
-from keyserve.engine.kv_budget.spec import resolve_budget
+from keyserve.engine.kv_budget.resolve import resolve_budget
 from keyserve.engine.model_runner import ModelRunner
 from keyserve.engine.step_input import CompactOp, SeqInfo, SettleOp, StepInput, StepItem
 
@@ -58,15 +58,15 @@ class DraftBudget:
     budget: float | None = None
     recent_ratio: float = 0.3
 
-    def spec_for(self, num_prompt_tokens: int) -> BudgetSpec | None:
+    def for_prompt(self, num_prompt_tokens: int) -> KVBudget | None:
         return resolve_budget(self.policy, self.budget, num_prompt_tokens, self.recent_ratio)
 
 
-def draft_budget(config: SpecConfig) -> DraftBudget:
+def draft_budget(config: SpeculativeConfig) -> DraftBudget:
     return DraftBudget(config.draft_kv_policy, config.draft_kv_budget, config.draft_recent_ratio)
 
 
-class DraftWorker:
+class Drafter:
     def __init__(
         self,
         runner: ModelRunner,
@@ -80,7 +80,7 @@ class DraftWorker:
         self.budget = budget or DraftBudget()
         self.mirrors: dict[int, Sequence] = {}
         self.generators: dict[int, torch.Generator | None] = {}
-        self.specs: dict[int, BudgetSpec] = {}  # target seq_id -> the budget of its mirror
+        self.mirror_budgets: dict[int, KVBudget] = {}  # target seq_id -> the budget of its mirror
         self.settled: dict[int, int] = {}  # target seq_id -> tokens valid at the last settle
         self.undraftable: set[int] = set()  # target seq_ids whose drafting raised: never drafted
 
@@ -94,10 +94,10 @@ class DraftWorker:
             self.mirrors[target.seq_id] = mirror
             seed = None if target.params.seed is None else target.params.seed ^ 0x5EED
             self.generators[target.seq_id] = make_generator(seed, target.sample_index)
-            spec = self.budget.spec_for(target.num_prompt_tokens)
-            if spec is not None:
-                self.specs[target.seq_id] = spec
-                mirror.kv_budget = spec  # never offered as a cached prefix
+            kv_budget = self.budget.for_prompt(target.num_prompt_tokens)
+            if kv_budget is not None:
+                self.mirror_budgets[target.seq_id] = kv_budget
+                mirror.kv_budget = kv_budget  # never offered as a cached prefix
             return mirror
         old = mirror.token_ids
         # KV is valid for the computed tokens that still agree with the target. Only the tail
@@ -137,7 +137,7 @@ class DraftWorker:
     def _compact(self, target_id: int, mirror: Sequence) -> None:
         """Prompt-phase selection right after a budgeted mirror's first forward: k tokens per
         (layer, head) kept in the first blocks, the rest back to the pool."""
-        k = self.specs[target_id].budget
+        k = self.mirror_budgets[target_id].budget
         assert k is not None
         self.runner.apply_ops([CompactOp(mirror.seq_id, list(mirror.block_table), k)])
         self.block_manager.truncate(mirror, self._held(mirror))
@@ -159,7 +159,7 @@ class DraftWorker:
         self.undraftable.discard(target.seq_id)
         mirror = self.mirrors.pop(target.seq_id, None)
         self.generators.pop(target.seq_id, None)
-        self.specs.pop(target.seq_id, None)
+        self.mirror_budgets.pop(target.seq_id, None)
         self.settled.pop(target.seq_id, None)
         if mirror is not None:
             self.block_manager.free(mirror)
@@ -171,7 +171,7 @@ class DraftWorker:
             self.runner.release(mirror.seq_id)
         self.mirrors.clear()
         self.generators.clear()
-        self.specs.clear()
+        self.mirror_budgets.clear()
         self.settled.clear()
         self.undraftable.clear()
 
@@ -185,9 +185,9 @@ class DraftWorker:
             start = mirror.num_computed_tokens
             item = StepItem(mirror.seq_id, mirror.token_slice(start, start + n), start,
                             list(mirror.block_table), return_logits=1)
-            spec = self.specs.get(target.seq_id)
-            if spec is not None:
-                item.budget = spec
+            kv_budget = self.mirror_budgets.get(target.seq_id)
+            if kv_budget is not None:
+                item.budget = kv_budget
                 item.spare = mirror.kv_slot_cap is not None
                 item.num_output_tokens = len(target.output_token_ids) + step
                 if item.seq_id not in self.runner.seq_infos:
@@ -271,7 +271,7 @@ class DraftWorker:
             for row, i in enumerate(batch):
                 m = mirrors[i]
                 m.num_computed_tokens = m.num_tokens
-                if targets[i].seq_id in self.specs and m.kv_slot_cap is None:
+                if targets[i].seq_id in self.mirror_budgets and m.kv_slot_cap is None:
                     self._compact(targets[i].seq_id, m)
                 token = int(drawn[row])
                 tokens[i, step] = token

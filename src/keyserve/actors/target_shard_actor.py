@@ -27,7 +27,7 @@ from keyserve.model.config import ModelConfig
 
 
 @dataclass
-class WorkerSpec:
+class ShardArgs:
     model_dir: str  # a resolved Hugging Face directory, readable on every node
     dtype: str
     device: str  # "auto", "cpu" or "cuda"
@@ -58,12 +58,12 @@ def check_tp_fits(config: ModelConfig, tp: int, name: str = "the model") -> None
         )
 
 
-class TPWorker:
+class TargetShardActor:
     """Applied ``ray.remote`` by the target group (with its placement-group options)."""
 
-    def __init__(self, rank: int, world_size: int, spec: WorkerSpec) -> None:
-        self.rank, self.world_size, self.spec = rank, world_size, spec
-        threads = spec.threads or max(1, (os.cpu_count() or 1) // world_size)
+    def __init__(self, rank: int, world_size: int, args: ShardArgs) -> None:
+        self.rank, self.world_size, self.args = rank, world_size, args
+        threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
         torch.set_num_threads(threads)
         self.runner: ModelRunner | None = None
 
@@ -76,18 +76,18 @@ class TPWorker:
 
     def setup(self, host: str, port: int) -> int:
         """Join the group, load this shard, allocate its KV; returns the shard's weight bytes."""
-        spec, rank, size = self.spec, self.rank, self.world_size
-        torch.manual_seed(spec.seed)  # the global RNG (unseeded sampling, Keyformer's noise)
-        device = build.resolve_device(spec.device)
-        dtype = build.resolve_dtype(spec.dtype, device.type)
-        backend = spec.backend if spec.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        args, rank, size = self.args, self.rank, self.world_size
+        torch.manual_seed(args.seed)  # the global RNG (unseeded sampling, Keyformer's noise)
+        device = build.resolve_device(args.device)
+        dtype = build.resolve_dtype(args.dtype, device.type)
+        backend = args.backend if args.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
         if size > 1:
             dist.init_process_group(
                 backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size,
-                timeout=timedelta(seconds=spec.timeout_s),
+                timeout=timedelta(seconds=args.timeout_s),
             )
-        model = build.load_target(spec.model_dir, dtype, device, rank, size)
-        self.runner = build.build_runner(model, spec.num_blocks, spec.block_size, dtype, device, rank, size)
+        model = build.load_target(args.model_dir, dtype, device, rank, size)
+        self.runner = build.build_runner(model, args.num_blocks, args.block_size, dtype, device, rank, size)
         return build.weight_bytes(self.runner.model)
 
     def execute(
