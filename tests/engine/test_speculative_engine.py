@@ -127,3 +127,39 @@ def test_rollback_leaves_exactly_the_accepted_kv(speculative: LLM, stories_path:
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     drafter = engine.speculative.drafter
     assert drafter.block_manager.num_free_blocks == drafter.block_manager.num_blocks
+
+
+def test_adaptive_k_lives_in_the_engines_one_policy(stories_path: str, draft_dir: str, target: LLM) -> None:
+    """The KV core holds no speculative policy: every step it reserves exactly the draft counts
+    the engine's ``SpeculativeDecoder`` asked for; adaptive K learns from the acceptances the
+    engine records (K moves away from the prior's choice), forgets a sequence once it finishes,
+    and greedy output stays the target's."""
+    llm = LLM(stories_path, num_blocks=400, draft=draft_dir, num_speculative_tokens=8,
+              adaptive_k=True, draft_cost_ratio=0.05)
+    engine = llm.engine
+    policy = engine.speculative
+    assert not any(isinstance(v, type(policy)) for v in vars(engine.core).values())
+    asked: list[dict[int, int]] = []
+    reserved: list[dict[int, int]] = []
+    schedule = engine.core.schedule
+
+    def spy(lookahead: dict[int, int] | None = None):  # records the real call's input and output
+        reply = schedule(lookahead)
+        asked.append(dict(lookahead or {}))
+        reserved.append({it.seq_id: it.num_lookahead for it in reply.step.items} if reply.step else {})
+        return reply
+
+    engine.core.schedule = spy
+    prompts = _prompts(6)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    alone = target.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
+    decode_steps = [(a, r) for a, r in zip(asked, reserved) if any(r.values())]
+    assert decode_steps
+    for a, r in decode_steps:
+        assert {s: k for s, k in r.items() if k} == {s: a[s] for s, k in r.items() if k}
+    # Far from max_tokens (room does not clamp K), K still changes: adaptive K has observed.
+    early = {k for a, r in decode_steps[:15] for s, k in r.items() if k}
+    assert len(early) > 1, early
+    assert not policy._adaptive  # forgotten when the engine finished each sequence
