@@ -26,24 +26,11 @@ from live_server import LiveServer, live_server
 import keyserve.engine.llm_engine as llm_engine
 from keyserve.cluster.batch_job import main as batch_main
 from keyserve.core.sampling_params import SamplingParams
+from helpers.poison import RaisesAfter
 
 NUM_GOOD = 32
 MODEL = "stories260k"
 WORDS = "once upon a time there was a little girl named lily who loved to play outside in the park".split()
-
-
-class RaisesAfter(list):
-    """stop_token_ids whose membership test breaks after ``n`` tokens: a fault mid-stream."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.left = n
-
-    def __contains__(self, item: object) -> bool:
-        self.left -= 1
-        if self.left < 0:
-            raise RuntimeError("stop check broke")
-        return False
 
 
 # seed -> what the hook puts in place of the checked parameters (fresh per request)

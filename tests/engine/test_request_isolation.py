@@ -18,6 +18,7 @@ import keyserve.engine.llm_engine as llm_engine
 from keyserve import LLM, SamplingParams
 from keyserve.engine.errors import InvalidParamError
 from keyserve.engine.llm_engine import RequestFailedError, StepFailedError
+from helpers.poison import RaisesAfter
 
 GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = [
@@ -127,20 +128,6 @@ def test_values_that_mean_an_in_range_value_are_normalised(llm: LLM) -> None:
 
 
 # ------------------------------------------------------------------- past admission: the step
-class RaisesAfter(list):
-    """stop_token_ids whose membership test breaks after ``n`` tokens: a fault mid-stream."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.left = n
-
-    def __contains__(self, item: object) -> bool:
-        self.left -= 1
-        if self.left < 0:
-            raise RuntimeError("stop check broke")
-        return False
-
-
 POISONS = {  # name -> (params, the stage named in its error)
     "top_k": (lambda: hostile(top_k=2**70, temperature=1.0), "sampling failed"),
     "n2_top_k": (lambda: hostile(n=2, top_k=2**70, temperature=1.0), "sampling failed"),

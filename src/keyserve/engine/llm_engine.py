@@ -233,13 +233,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        for seq in req.all_seqs:
-            if not seq.is_finished:
-                self._finish(seq, FinishReason.ABORT)
-                result = self.core.finish(seq.seq_id, FinishReason.ABORT)
-                self._apply_seq_stats(result.seq_stats)
-                self._apply_ops(result.ops)
-        self._drop_pending_forks(req)
+        self._abort_seqs(req)
         out = self._pop_finished(req)
         self._flush_store_if_idle()  # store what the abort copied out
         return out
@@ -375,7 +369,7 @@ class LLMEngine:
         if failed:
             items = [it for it in step.items if self._seq_owner[it.seq_id].request_id not in failed]
             for rid in failed:
-                self._end_failed(self.requests[rid])
+                self._abort_seqs(self.requests[rid])
         result = self.core.commit(updates)
         self._apply_seq_stats(result.seq_stats)
         self._apply_ops(result.ops)
@@ -409,9 +403,9 @@ class LLMEngine:
                 )
         return errors
 
-    def _end_failed(self, req: _Request) -> None:
-        """Finish every sequence of a failed request (blocks freed, model-side state released);
-        it is popped with the step's other finished requests."""
+    def _abort_seqs(self, req: _Request) -> None:
+        """Finish every sequence of an aborted or failed request (blocks freed, model-side state
+        released, unforked siblings forgotten); the caller pops the request."""
         for seq in req.all_seqs:
             if not seq.is_finished:
                 self._finish(seq, FinishReason.ABORT)
