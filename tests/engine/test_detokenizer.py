@@ -1,0 +1,99 @@
+"""The incremental detokenizer against the oracle: the tokenizer's own decode of all the ids."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from keyserve.engine.detokenizer import IncrementalDetokenizer
+from conftest import STORIES
+from keyserve.model.paths import DEFAULT_MODEL_NAME, models_dir
+
+# Metaspace + byte fallback (stories260K's Llama tokenizer) is the hard case: partial UTF-8,
+# the leading space dropped at the start. The default model's byte-level BPE where converted.
+TOKENIZERS = {"stories260k": STORIES}
+if (models_dir() / DEFAULT_MODEL_NAME / "tokenizer.json").exists():
+    TOKENIZERS["smollm2"] = models_dir() / DEFAULT_MODEL_NAME
+
+
+@pytest.fixture(scope="module", params=sorted(TOKENIZERS))
+def tokenizer(request):
+    return AutoTokenizer.from_pretrained(TOKENIZERS[request.param])
+
+
+def _streams(tokenizer, ids: list[int]) -> tuple[str, list[str]]:
+    detok = IncrementalDetokenizer(tokenizer, [])
+    pieces = [detok.append(t) for t in ids]
+    return detok.text, pieces
+
+
+def test_uses_the_rust_stream(tokenizer):
+    assert IncrementalDetokenizer(tokenizer, [])._stream is not None
+
+
+_ALPHABET = "abcdefghij KLMNOP.,!?'\n\t0123456789éüñßçø中文字日本語한국어🙂🚀∑≈€"
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_incremental_text_equals_full_decode(tokenizer, seed):
+    """Any valid text (multi-byte characters come as byte-fallback tokens, a partial UTF-8
+    sequence at a time) streams to exactly the tokenizer's full decode, piece by piece."""
+    rng = random.Random(seed)
+    sample = "".join(rng.choice(_ALPHABET) for _ in range(rng.randrange(1, 80)))
+    ids = tokenizer.encode(sample, add_special_tokens=False)
+    if seed % 3 == 0 and tokenizer.all_special_ids:  # special tokens are skipped, as decode does
+        ids.insert(rng.randrange(len(ids) + 1), tokenizer.all_special_ids[0])
+    text, pieces = _streams(tokenizer, ids)
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(pieces) == text
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_invalid_bytes_stream_append_only(tokenizer, seed):
+    """Random ids (stray bytes that are no UTF-8): never raises, the pieces add up to the text,
+    and valid text after them comes through whole."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 120))]
+    text, pieces = _streams(tokenizer, ids)
+    assert "".join(pieces) == text
+    tail = tokenizer.encode(" the end", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [])
+    for t in ids + tail:
+        detok.append(t)
+    assert detok.text.endswith("the end")
+
+
+def test_real_text_roundtrips(tokenizer):
+    sentence = "Once upon a time, a little girl named Lily found a shiny red ball."
+    ids = tokenizer.encode(sentence, add_special_tokens=False)
+    text, pieces = _streams(tokenizer, ids)
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert sum(1 for p in pieces if p) > 5  # emitted as it went, not all at the end
+
+
+def test_stop_string_cuts_the_text(tokenizer):
+    ids = tokenizer.encode("Lily saw a big dog. The dog ran.", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, ["dog"])
+    for t in ids:
+        detok.append(t)
+        if detok.stopped_at is not None:
+            break
+    assert detok.stopped_at is not None
+    assert detok.text == "Lily saw a big "
+
+
+def test_full_decode_fallback_without_a_rust_backend(tokenizer):
+    class SlowOnly:  # what a tokenizer without a Rust backend offers
+        clean_up_tokenization_spaces = False
+
+        def decode(self, ids, skip_special_tokens):
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    ids = tokenizer.encode("A cat sat on the mat.", add_special_tokens=False)
+    detok = IncrementalDetokenizer(SlowOnly(), [])
+    assert detok._stream is None
+    for t in ids:
+        detok.append(t)
+    assert detok.text == tokenizer.decode(ids, skip_special_tokens=True)
