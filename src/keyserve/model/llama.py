@@ -18,6 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from keyserve.kernels.attention import paged_attention
+from keyserve.kernels.native import gemv as native_gemv
+from keyserve.kernels.native import library as native_library
+from keyserve.kernels.native.decode_stack import LayerWeights, NativeDecodeStack
 from keyserve.kernels.metadata import AttentionMetadata, LayerScores
 from keyserve.model.config import ModelConfig
 from keyserve.model.kv_cache import KVCache, allocate_kv_cache
@@ -179,6 +182,8 @@ class LlamaForCausalLM(nn.Module):
         self._full_attention_layers = [
             layer.sliding_window is None for layer in self.model.layers
         ]
+        # The one-call native decode step (CPU, float32/bf16, tp 1), built by load_weights.
+        self._native_decode: NativeDecodeStack | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -193,7 +198,19 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, list[LayerScores] | None]:  # [num_tokens, hidden_size], scores
         """Final hidden states, and the attention scores of every layer when
-        ``meta.score_mode`` asks for them (KV budgets; None otherwise)."""
+        ``meta.score_mode`` asks for them (KV budgets; None otherwise).
+
+        A CPU step of decode rows only (no scores, <= 16 rows) runs every layer in one native
+        call (``kernels/native/decode_stack.c``); everything else runs the torch layers."""
+        native = self._native_decode
+        if (
+            native is not None
+            and NativeDecodeStack.takes(input_ids, meta)
+            and native.weight_ptr == self.model.layers[0].self_attn.qkv_proj.weight.data_ptr()
+        ):
+            hidden = native.run(input_ids, positions, kv_caches, meta)
+            if hidden is not None:
+                return hidden, None
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(positions, h.dtype)
         full_meta = meta
@@ -212,6 +229,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(
         self, hidden: torch.Tensor  # [n, hidden_size]
     ) -> torch.Tensor:  # [n, vocab_size] float32
+        if native_gemv.supports(hidden, self.lm_head_weight):  # the sampled rows, one weight pass
+            return native_gemv.gemv_float(hidden, self.lm_head_weight)
         return linear(hidden, self.lm_head_weight).float()
 
     @torch.no_grad()
@@ -226,7 +245,40 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(self._expected_targets()) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        use_cpu_gemv_layout(self)
+        if native_library() is None:
+            use_cpu_gemv_layout(self)  # torch's GEMV streams column-major faster
+        # else row-major stays: the native kernels stream it best (docs/engine.md, "Native CPU decode")
+        self._native_decode = self._build_native_decode()
+
+    def _build_native_decode(self) -> NativeDecodeStack | None:
+        """The native decode step over this model's weights, where it applies (CPU, float32 or
+        bfloat16, no tensor parallelism, native kernels built); None otherwise."""
+        embed = self.model.embed_tokens.weight
+        if (
+            self.tp.size != 1
+            or embed.device.type != "cpu"
+            or self.dtype not in native_gemv.WEIGHT_DTYPES
+            or native_library() is None
+        ):
+            return None
+        layers = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(LayerWeights(
+                attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight, attn.o_proj.bias,
+                mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight,
+                mlp.down_proj.bias, layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight, layer.sliding_window is not None,
+            ))
+        rotary = self.model.rotary
+        try:
+            return NativeDecodeStack(
+                layers, embed, self.model.norm.weight, rotary.cos_table, rotary.sin_table,
+                self.config.num_attention_heads, self.num_kv_heads, self.config.head_dim,
+                self.config.rms_norm_eps,
+            )
+        except ValueError:  # a layout the kernel does not read (e.g. column-major weights)
+            return None
 
     _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
     _QKV = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v"}

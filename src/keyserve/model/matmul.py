@@ -15,6 +15,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from keyserve.kernels.native import gemv as native_gemv
 from keyserve.kernels.native import linear as native_linear
 
 NATIVE_MAX_ROWS = 3  # measured crossover on the AVX2 CPU: native wins at 1-3 rows, loses from 4
@@ -39,10 +40,14 @@ def linear(
     weight: torch.Tensor,  # [out, in]
     bias: torch.Tensor | None = None,  # [out]
 ) -> torch.Tensor:  # [m, out], x's dtype
-    """``F.linear`` with two CPU fast paths: up to 16 float32 rows (decode, speculative
-    verification, small batches) go to the native kernel that streams the column-major weights
-    once for all rows (``kernels/native/skinny_linear.c``); bf16 beyond a few rows is widened to
-    float32 GEMM where the CPU has no bf16 dot product (see the module docstring)."""
+    """``F.linear`` with CPU fast paths: up to 16 float32 or bf16 rows (decode, speculative
+    verification, small batches) go to a native kernel that streams the weights once for all
+    rows -- ``kernels/native/gemv.c`` for row-major weights (what the model keeps where the
+    native kernels are built), ``skinny_linear.c`` for column-major float32 ones; bf16 beyond
+    that is widened to float32 GEMM where the CPU has no bf16 dot product (see the module
+    docstring)."""
+    if native_gemv.supports(x, weight, bias):
+        return native_gemv.gemv(x, weight, bias)
     if bias is None and native_linear.supports(x, weight):
         return native_linear.skinny_linear(x, weight)
     if (

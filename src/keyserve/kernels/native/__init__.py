@@ -26,7 +26,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode.c", "skinny_linear.c")
+SOURCES = ("paged_decode.c", "skinny_linear.c", "gemv.c", "decode_stack.c")
+HEADERS = ("gemv.h",)  # included by the sources: part of the cache key
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
 
@@ -78,7 +79,7 @@ def library() -> ctypes.CDLL | None:
         log.warning("keyserve: no C compiler found; CPU attention uses the pure-torch path")
         return None
     key = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         key.update(Path(__file__).with_name(name).read_bytes())
     key.update(" ".join((compiler, *CFLAGS, _cpu_flags())).encode())
     path = _cache_dir() / f"keyserve_native_{key.hexdigest()[:16]}.so"
@@ -105,3 +106,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.keyserve_skinny_linear.argtypes = [p, i, i, p, i, p]
     lib.keyserve_write_kv.restype = None
     lib.keyserve_write_kv.argtypes = [p, p, p, p, p, i, i, i, i, i, i]
+    i64 = ctypes.c_int64
+    lib.keyserve_gemv.restype = None
+    lib.keyserve_gemv.argtypes = [p, i, i, p, i, p, i, p, i, i]
+    lib.keyserve_read_stream.restype = ctypes.c_double
+    lib.keyserve_read_stream.argtypes = [p, i64, i]
+    lib.keyserve_decode_stack.restype = i
+    lib.keyserve_decode_stack.argtypes = [
+        p, f, f, p, p, p, p, p, i, p, p, p, i64, i, i, p, i, p, i64, i, p, i,
+    ]

@@ -1,0 +1,159 @@
+/* Few-row products with row-major weights: y[r, o] = x[r, :] . W[o, :] for o in a row range.
+ *
+ * Why row-major: decoding a handful of tokens is bound by streaming the weights once. With W
+ * row-major ([out, in], torch's own layout) a thread's share of output rows is ONE contiguous
+ * stretch of memory, read front to back, while the x rows (<= 16 x 6 KB) stay in L1/L2; the
+ * column-major strips of skinny_linear.c read 32 interleaved streams instead. Measured on the
+ * 2-core AVX2 EPYC over SmolLM2-135M's float32 weights (bench/decode_bench.py, docs/engine.md
+ * "Native CPU decode"): see the doc for the numbers that chose this layout.
+ *
+ * Four weight rows per pass (four independent FMA chains, one load of x per four rows); with
+ * several x rows, two at a time against the same four weight rows, which are re-read from L1
+ * for the next pair -- so every weight byte comes from memory once whatever the row count.
+ * bfloat16 weights are widened in registers (zero-extend to 32 bits, shift left by 16: exact)
+ * and accumulated in float32, as torch's bf16 GEMV does. AVX2+FMA where the compiler targets
+ * it (-march=native), a portable scalar loop otherwise.
+ */
+#ifndef KEYSERVE_GEMV_H
+#define KEYSERVE_GEMV_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KS_GEMV_AVX2 1
+#endif
+
+enum { KS_F32 = 0, KS_BF16 = 1 };
+
+static inline float ks_bf16_to_f32(uint16_t v) {
+    uint32_t u = ((uint32_t)v) << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round-to-nearest-even to bfloat16 (torch's rounding), NaN kept quiet. */
+static inline uint16_t ks_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float ks_round_bf16(float f) { return ks_bf16_to_f32(ks_f32_to_bf16(f)); }
+
+/* Element k of a weight row in either dtype (the scalar paths). */
+static inline float ks_w_at(const void *w, int wdt, int64_t k) {
+    return wdt == KS_BF16 ? ks_bf16_to_f32(((const uint16_t *)w)[k]) : ((const float *)w)[k];
+}
+
+#ifdef KS_GEMV_AVX2
+static inline __m256 ks_load8(const void *w, int wdt, int64_t k) {
+    if (wdt == KS_BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + k));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)w + k);
+}
+
+/* [sum(a0), sum(a1), sum(a2), sum(a3)] */
+static inline __m128 ks_hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* Weight rows o..o+3 against x rows r0..r0+M-1 (M = 1 or 2; constant at each call site so the
+ * accumulators stay in registers). in8 = in rounded down to 8; the rest is scalar. */
+static inline __attribute__((always_inline)) void ks_block4(
+    const float *x, int ldx, int in, int in8, const void *w, int wdt, int o, int r0, int M,
+    float *y, int ldy) {
+    __m256 acc[2][4];
+    for (int r = 0; r < M; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+    const int64_t base = (int64_t)o * in;
+    for (int i = 0; i < in8; i += 8) {
+        __m256 w0 = ks_load8(w, wdt, base + i);
+        __m256 w1 = ks_load8(w, wdt, base + in + i);
+        __m256 w2 = ks_load8(w, wdt, base + 2 * (int64_t)in + i);
+        __m256 w3 = ks_load8(w, wdt, base + 3 * (int64_t)in + i);
+        for (int r = 0; r < M; r++) {
+            __m256 xv = _mm256_loadu_ps(x + (int64_t)(r0 + r) * ldx + i);
+            acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(xv, w2, acc[r][2]);
+            acc[r][3] = _mm256_fmadd_ps(xv, w3, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < M; r++) {
+        float s[4];
+        _mm_storeu_ps(s, ks_hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+        const float *xr = x + (int64_t)(r0 + r) * ldx;
+        for (int i = in8; i < in; i++)
+            for (int j = 0; j < 4; j++) s[j] += xr[i] * ks_w_at(w, wdt, base + (int64_t)j * in + i);
+        for (int j = 0; j < 4; j++) y[(int64_t)(r0 + r) * ldy + o + j] = s[j];
+    }
+}
+
+/* One weight row against x rows (the out % 4 tail). */
+static inline void ks_row1(const float *x, int m, int ldx, int in, int in8, const void *w,
+                           int wdt, int o, float *y, int ldy) {
+    const int64_t base = (int64_t)o * in;
+    for (int r = 0; r < m; r++) {
+        const float *xr = x + (int64_t)r * ldx;
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < in8; i += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), ks_load8(w, wdt, base + i), acc);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        h = _mm_hadd_ps(h, h);
+        h = _mm_hadd_ps(h, h);
+        float s = _mm_cvtss_f32(h);
+        for (int i = in8; i < in; i++) s += xr[i] * ks_w_at(w, wdt, base + i);
+        y[(int64_t)r * ldy + o] = s;
+    }
+}
+#endif
+
+/* y[r * ldy + o] = x[r * ldx + :] . W[o, :] for o in [o0, o1), r < m. W row-major [out, in]
+ * of dtype wdt; x float32. No bias (callers add it, then round as their dtype needs). */
+static inline void ks_gemv_rows(const float *x, int m, int ldx, int in, const void *w, int wdt,
+                                int o0, int o1, float *y, int ldy) {
+#ifdef KS_GEMV_AVX2
+    const int in8 = in & ~7;
+    int o = o0;
+    for (; o + 4 <= o1; o += 4) {
+        int r0 = 0;
+        for (; r0 + 2 <= m; r0 += 2) ks_block4(x, ldx, in, in8, w, wdt, o, r0, 2, y, ldy);
+        if (r0 < m) ks_block4(x, ldx, in, in8, w, wdt, o, r0, 1, y, ldy);
+    }
+    for (; o < o1; o++) ks_row1(x, m, ldx, in, in8, w, wdt, o, y, ldy);
+#else
+    for (int o = o0; o < o1; o++)
+        for (int r = 0; r < m; r++) {
+            const float *xr = x + (int64_t)r * ldx;
+            float s = 0.0f;
+            if (wdt == KS_BF16) {
+                const uint16_t *wr = (const uint16_t *)w + (int64_t)o * in;
+                for (int i = 0; i < in; i++) s += xr[i] * ks_bf16_to_f32(wr[i]);
+            } else {
+                const float *wr = (const float *)w + (int64_t)o * in;
+                for (int i = 0; i < in; i++) s += xr[i] * wr[i];
+            }
+            y[(int64_t)r * ldy + o] = s;
+        }
+#endif
+}
+
+/* This thread's share [*o0, *o1) of n output rows, split evenly in units of 4 rows. */
+static inline void ks_split_rows(int n, int tid, int nt, int *o0, int *o1) {
+    int units = (n + 3) / 4;
+    int per = units / nt, extra = units % nt;
+    int u0 = tid * per + (tid < extra ? tid : extra);
+    int u1 = u0 + per + (tid < extra ? 1 : 0);
+    *o0 = u0 * 4 < n ? u0 * 4 : n;
+    *o1 = u1 * 4 < n ? u1 * 4 : n;
+}
+
+#endif
