@@ -14,15 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.peers import hf_many  # noqa: E402
+from bench.peers.results import useful_tok_s  # noqa: E402
 from bench.report import markdown_table, update_section  # noqa: E402
 from bench.workloads import mixed_requests  # noqa: E402
 
@@ -110,97 +110,16 @@ def hf_decode(model, tokenizer, max_tokens: int) -> float:
     return max_tokens / (tn - t1)
 
 
-def hf_padded_subprocess(path: str, dtype: str, num: int, timeout_s: int, batch: int = 16) -> tuple[float, float, int]:
-    """transformers' padded ``generate`` over batches of ``batch`` (left padding, outputs forced
-    to each batch's longest), in a child process that reports after every batch, so a run
-    stopped at ``timeout_s`` still yields the throughput of the batches it finished. Returns
-    ``(useful tok/s, elapsed s, batches done)``; ``(0, timeout, 0)`` if not even one finished."""
-    code = f"""
-import time, torch, json, sys
-torch.set_num_threads({torch.get_num_threads()})
-sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from bench.workloads import mixed_requests
-tok = AutoTokenizer.from_pretrained({path!r})
-model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=getattr(torch, {dtype!r}), attn_implementation="sdpa").eval()
-reqs = mixed_requests(tok, {num})
-tok.padding_side = "left"
-pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-t = time.perf_counter()
-useful = 0
-for b, i in enumerate(range(0, len(reqs), {batch})):
-    chunk = reqs[i : i + {batch}]
-    width = max(len(r.prompt_token_ids) for r in chunk)
-    ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for j, r in enumerate(chunk):
-        ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-        mask[j, width - len(r.prompt_token_ids):] = 1
-    n = max(r.max_tokens for r in chunk)
-    with torch.no_grad():
-        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
-    useful += sum(r.max_tokens for r in chunk)
-    print(json.dumps({{"batches": b + 1, "useful": useful, "elapsed": time.perf_counter() - t}}), flush=True)
-"""
-    last = {"batches": 0, "useful": 0, "elapsed": float(timeout_s)}
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    total = -(-num // batch)
-    start = time.perf_counter()
-    with tqdm(total=total, desc=f"transformers padded {dtype}") as bar:
-        try:
-            import selectors
-
-            sel = selectors.DefaultSelector()
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while proc.poll() is None or sel.select(timeout=0):
-                left = timeout_s - (time.perf_counter() - start)
-                if left <= 0:
-                    break
-                if not sel.select(timeout=min(left, 5.0)):
-                    continue
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                if line.startswith("{"):
-                    last = json.loads(line)
-                    bar.update(last["batches"] - bar.n)
-        finally:
-            proc.kill()
-            proc.wait()
-    if last["batches"] == 0:
-        return 0.0, float(timeout_s), 0
-    return last["useful"] / last["elapsed"], last["elapsed"], last["batches"]
-
-
-def hf_generate_batch_subprocess(path: str, dtype: str, num: int, timeout_s: int) -> tuple[float | None, float | None]:
-    """transformers' continuous batching, in a child process we can stop at ``timeout_s``."""
-    code = f"""
-import time, torch, json, sys
-torch.set_num_threads({torch.get_num_threads()})
-sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-from bench.workloads import mixed_requests
-tok = AutoTokenizer.from_pretrained({path!r})
-model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=getattr(torch, {dtype!r}), attn_implementation="sdpa")
-reqs = mixed_requests(tok, {num})
-n = max(r.max_tokens for r in reqs)
-cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1)
-t = time.perf_counter()
-out = model.generate_batch([r.prompt_token_ids for r in reqs], generation_config=cfg, progress_bar=False)
-el = time.perf_counter() - t
-useful = sum(min(len(o.generated_tokens), r.max_tokens) for o, r in zip(out.values(), reqs))
-print(json.dumps({{"tok_s": useful / el, "elapsed": el}}))
-"""
-    try:
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return None, None
-    for line in res.stdout.splitlines()[::-1]:
-        if line.startswith("{"):
-            d = json.loads(line)
-            return d["tok_s"], d["elapsed"]
-    print(res.stderr[-2000:], file=sys.stderr)
-    return None, None
+def hf_many_requests(path: str, dtype: str, requests, mode: str, budget_s: float | None, batch: int = 16) -> dict:
+    """transformers on the request mix in a child process (bench/peers/hf_many.py): ``padded``
+    ``generate`` in batches of ``batch``, or its continuous batching (the manager behind
+    ``generate_batch``, each request with its own length). The budget's clock starts once the
+    model is loaded and warmed up, as keyserve's does; ``None`` runs it to the end. Returns what
+    it did: ``{tokens, requests, total_requests, elapsed, finished, budget_s, error}``."""
+    spec = {"model": path, "dtype": dtype, "threads": torch.get_num_threads(), "mode": mode, "batch": batch,
+            "requests": [(r.prompt_token_ids, r.max_tokens) for r in requests]}
+    out = hf_many.run(sys.executable, spec, budget_s if budget_s else float("inf"), f"transformers {mode} {dtype}")
+    return dict(out, budget_s=budget_s or None, tok_s=useful_tok_s(out["tokens"], out["elapsed"]))
 
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "bench_generate.json"
@@ -241,37 +160,51 @@ def measure_dtype(dtype: str, args: argparse.Namespace, bw: float, fp32_gflops: 
     # keyserve widens bf16 weights to float32 GEMM on CPUs without native bf16 (model/matmul.py),
     # so its compute bound is the float32 matmul rate in both dtypes.
     ks_frac = total_tokens * flops_per_token(matmul_params) / ks_el / (fp32_gflops * 1e9)
-    hf_tput, hf_el, hf_batches = hf_padded_subprocess(path, dtype, args.num_requests, args.hf_padded_timeout)
-    cb_tput = None
+    budget = args.hf_budget or None
+    hf_padded = hf_many_requests(path, dtype, reqs, "padded", args.hf_padded_timeout or budget)
+    hf_batch = None
     if not args.skip_hf_batch:
-        cb_tput, _ = hf_generate_batch_subprocess(path, dtype, args.num_requests, args.hf_batch_timeout)
+        hf_batch = hf_many_requests(path, dtype, reqs, "continuous", args.hf_batch_timeout or budget)
     return {
         "dtype": dtype, "date": time.strftime("%Y-%m-%d"), "load_before": load_before, "load_after": _load_avg(),
         "bandwidth_gbs": bw, "weight_bytes": wbytes, "bound_tok_s": bw * 1e9 / wbytes,
         "keyserve_decode": ks_dec, "hf_decode": hf_dec, "gflops": gflops, "fp32_gflops": fp32_gflops,
         "keyserve_tput": ks_tput, "keyserve_wall_s": ks_el, "keyserve_compute_frac": ks_frac,
-        "hf_padded_tput": hf_tput, "hf_padded_s": hf_el, "hf_padded_batches": hf_batches,
-        "hf_padded_total_batches": -(-args.num_requests // 16), "hf_padded_timeout": args.hf_padded_timeout,
-        "hf_batch_tput": cb_tput, "hf_batch_timeout": None if args.skip_hf_batch else args.hf_batch_timeout,
+        "hf_padded": hf_padded, "hf_batch": hf_batch,
         "num_requests": args.num_requests, "decode_tokens": args.decode_tokens,
         "threads": torch.get_num_threads(),
         "command": "python bench/generate_bench.py " + " ".join(sys.argv[1:]),
     }
 
 
-def _padded_text(r: dict) -> str:
-    if r["hf_padded_batches"] == 0:
-        return f"no batch of 16 finished in {r['hf_padded_timeout']} s"
-    txt = f"{r['hf_padded_tput']:.1f}"
-    if r["hf_padded_batches"] < r["hf_padded_total_batches"]:
-        txt += f" ({r['hf_padded_batches']} of {r['hf_padded_total_batches']} batches in {r['hf_padded_timeout']} s)"
-    return txt
+def _hf_ways(r: dict) -> tuple[dict, dict | None]:
+    """transformers' two results; records written before the budget excluded model loading
+    (old keys) are read as what they said."""
+    if "hf_padded" in r:
+        return r["hf_padded"], r["hf_batch"]
+    total = r["hf_padded_total_batches"] * 16
+    padded = {"tokens": round(r["hf_padded_tput"] * r["hf_padded_s"]), "requests": r["hf_padded_batches"] * 16,
+              "total_requests": total, "elapsed": r["hf_padded_s"], "tok_s": r["hf_padded_tput"] or None,
+              "finished": r["hf_padded_batches"] == r["hf_padded_total_batches"], "error": None,
+              "budget_s": r["hf_padded_timeout"]}
+    if r.get("hf_batch_timeout") is None:
+        return padded, None
+    batch = {"tok_s": r["hf_batch_tput"], "finished": True, "old": None if r["hf_batch_tput"] else
+             f"no result in {r['hf_batch_timeout']} s, model loading included (a run from before the fair budget)"}
+    return padded, batch
 
 
-def _batch_text(r: dict) -> str:
-    if r["hf_batch_timeout"] is None:
+def _hf_text(d: dict | None) -> str:
+    """tok/s, and what it did when it did not get through every request (never just 'did not finish')."""
+    if d is None:
         return "not run"
-    return f"{r['hf_batch_tput']:.1f}" if r["hf_batch_tput"] else f"did not finish in {r['hf_batch_timeout']} s"
+    if d.get("old"):
+        return d["old"]
+    txt = f"{d['tok_s']:.1f}" if d["tok_s"] else "0"
+    if not d["finished"]:
+        why = d["error"] or f"stopped at its {d['budget_s']:.0f} s budget, model loading excluded"
+        txt += f" ({d['requests']} of {d['total_requests']} requests, {d['tokens']} tokens in {d['elapsed']:.0f} s; {why})"
+    return txt
 
 
 def tables(records: list[dict]) -> tuple[str, str]:
@@ -284,16 +217,15 @@ def tables(records: list[dict]) -> tuple[str, str]:
     )
     rows = []
     for r in records:
-        finished = [x for x in (r["hf_padded_tput"], r["hf_batch_tput"]) if x]
-        ratio = f"{r['keyserve_tput'] / max(finished):.2f}×" if finished else "—"
-        if r["hf_padded_batches"] == 0:
-            bound = r["hf_padded_total_batches"] * 16 * 136 / r["hf_padded_timeout"]  # ~136 tokens/request
-            ratio = f"> {r['keyserve_tput'] / bound:.0f}× (transformers < {bound:.1f} tok/s)"
-        rows.append([r["dtype"], f"{r['keyserve_tput']:.1f}", _padded_text(r), _batch_text(r), ratio,
+        padded, batch = _hf_ways(r)
+        rates = [d["tok_s"] for d in (padded, batch) if d and d["tok_s"]]
+        ratio = f"{r['keyserve_tput'] / max(rates):.2f}×" if rates else "—"
+        rows.append([r["dtype"], f"{r['keyserve_tput']:.1f}", _hf_text(padded), _hf_text(batch), ratio,
                      f"{r['keyserve_wall_s']:.0f}", f"{r['gflops']:.1f}", f"{r['keyserve_compute_frac']:.0%}",
                      r["load_before"]])
     tput = markdown_table(
-        ["dtype", "keyserve tok/s", "transformers padded (16) tok/s", "transformers generate_batch tok/s",
+        ["dtype", "keyserve tok/s", "transformers padded (16) tok/s",
+         "transformers continuous batching (generate_batch's) tok/s",
          "keyserve / best transformers", "keyserve wall s", "matmul GFLOP/s (this dtype)",
          "keyserve % of compute bound (fp32 GEMM)", "load avg before"],
         rows,
@@ -306,8 +238,11 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--hf-padded-timeout", type=int, default=1200, help="seconds for transformers' padded batches")
-    ap.add_argument("--hf-batch-timeout", type=int, default=600, help="seconds for generate_batch")
+    ap.add_argument("--hf-budget", type=float, default=0,
+                    help="seconds each transformers way gets once its model is loaded (0: the time it needs, "
+                         "as keyserve gets); a way stopped by it is reported with the requests it finished")
+    ap.add_argument("--hf-padded-timeout", type=float, default=0, help="the padded way's own budget (overrides --hf-budget)")
+    ap.add_argument("--hf-batch-timeout", type=float, default=0, help="continuous batching's own budget (overrides --hf-budget)")
     ap.add_argument("--skip-hf-batch", action="store_true")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads for keyserve and transformers alike (0: torch's default); "
@@ -331,7 +266,7 @@ def main() -> None:
     records = [stored[d] for d in DTYPES if d in stored]
     dec_table, tput_table = tables(records)
     _plot({r["dtype"]: (r["keyserve_decode"], r["hf_decode"], r["bound_tok_s"], r["keyserve_tput"],
-                        r["hf_padded_tput"], r["hf_batch_tput"] or 0.0) for r in records},
+                        _hf_ways(r)[0]["tok_s"] or 0.0, (_hf_ways(r)[1] or {}).get("tok_s") or 0.0) for r in records},
           Path(__file__).resolve().parent.parent / "docs" / "bench_generate.png")
     runs = "; ".join(f"{r['dtype']}: `{r['command']}` on {r['date']} ({r.get('threads', '?')} torch thread(s) on "
                      f"both sides; load average before {r['load_before']}, after {r['load_after']})" for r in records)

@@ -85,9 +85,9 @@ def load_1min() -> float:
 
 def contenders(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(engine, precision) in a fixed base order; each round rotates it."""
-    out = [("keyserve", p) for p in args.precisions] + [("transformers", p) for p in args.precisions]
     half = {"float32": "F32", "bfloat16": args.llama_half}
-    return out + [("llama.cpp", half[p]) for p in args.precisions] + [("llama.cpp", "Q4_1")]
+    out = [c for p in args.precisions for c in (("keyserve", p), ("transformers", p), ("llama.cpp", half[p]))]
+    return out + [("llama.cpp", "Q4_1")]
 
 
 # ----------------------------------------------------------------- single stream
@@ -206,7 +206,7 @@ def single_table(summary: dict, items: list[tuple[str, str]], bytes_pt: dict[str
         s = summary.get(contender(engine, precision))
         if not s:
             continue
-        rows.append([contender(engine, precision), s["decode"].text(), s["fraction"].text(2) if s["fraction"] else "—",
+        rows.append([contender(engine, precision), s["decode"].text(), s["fraction"].percent() if s["fraction"] else "—",
                      s["prefill"].text(0), f"{bytes_pt.get(precision, 0) / 1e6:.0f}",
                      agree.get(contender(engine, precision), "—")])
     return markdown_table(["engine, precision", "decode tok/s (batch 1)", "decode ÷ bandwidth bound", "prefill tok/s",
@@ -230,7 +230,11 @@ def targets_table(targets: list[results.Target]) -> str:
                           [[t.what, t.goal, t.measured, t.verdict] for t in targets])
 
 
-def plot(summary: dict, items: list[tuple[str, str]], bounds: dict[str, float], many: dict, path: Path) -> None:
+def plot(summary: dict, items: list[tuple[str, str]], bounds: dict[str, float], many: dict, path: Path,
+         gguf_name: dict[str, str]) -> None:
+    """Decode and prefill tok/s per contender (decode with its bandwidth bound), and the
+    many-request throughput. ``bounds`` is keyed by GGUF precision; ``gguf_name`` maps
+    keyserve's precision names onto those."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -244,10 +248,13 @@ def plot(summary: dict, items: list[tuple[str, str]], bounds: dict[str, float], 
         ax.bar(range(len(names)), vals, color=[colours[n.split()[0]] for n in names])
         ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
         ax.set_title(title)
-    for k, (label, bound) in enumerate(sorted(bounds.items(), key=lambda kv: kv[1])):
-        axes[0].axhline(bound, ls="--", lw=1, color=f"C{k + 3}", label=f"bandwidth bound {label}: {bound:.0f}")
-    if bounds:
-        axes[0].legend(fontsize=7)
+    # each bar's own bandwidth bound (its precision's bytes per token), as a black tick above it
+    ticks = [(i, bounds.get(gguf_name.get(n.split()[1], n.split()[1]))) for i, n in enumerate(names)]
+    ticks = [(i, b) for i, b in ticks if b]
+    if ticks:
+        axes[0].hlines([b for _, b in ticks], [i - 0.45 for i, _ in ticks], [i + 0.45 for i, _ in ticks],
+                       colors="black", lw=2, label="bandwidth bound of its precision")
+        axes[0].legend(fontsize=7, loc="upper left")
     if many:
         labels, vals, cols = [], [], []
         for p, row in many.items():
@@ -298,10 +305,11 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model_dir(None)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     peers = build.ensure_peers()
-    gguf_paths = {p: ggufs.convert(peers, model_dir, p) for p in {"F32", args.llama_half}}
+    same = {"float32": "F32", "bfloat16": args.llama_half}  # keyserve's precision -> llama.cpp's GGUF
+    gguf_paths = {same[p]: ggufs.convert(peers, model_dir, same[p]) for p in args.precisions}
     gguf_paths["Q4_1"] = ggufs.shipped_q4_1()
     bytes_pt = {name: ggufs.weight_bytes_per_token(ggufs.gguf_tensors(path)) for name, path in gguf_paths.items()}
-    bytes_pt["float32"], bytes_pt["bfloat16"] = bytes_pt["F32"], bytes_pt[args.llama_half]
+    bytes_pt.update({p: bytes_pt[same[p]] for p in args.precisions})
 
     decode_ids = tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True,
                                          tokenize=True, return_dict=True)["input_ids"]
@@ -313,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     used = kept or rounds
     summary = results.summarize(used, bytes_pt)
     bw = results.spread([r.bandwidth_gbs for r in used])
-    bounds = {p: bw.median * 1e9 / bytes_pt[p] for p in ("F32", args.llama_half, "Q4_1")}
+    bounds = {p: bw.median * 1e9 / bytes_pt[p] for p in gguf_paths}
     targets = results.decode_targets(summary, args.precisions)
 
     many: dict[str, dict] = {}
@@ -347,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         "targets": [vars(t) | {"verdict": t.verdict} for t in targets],
     }
     RESULTS_JSON.write_text(json.dumps(record, indent=1))
-    plot(summary, items, bounds, many, PLOT_PNG)
+    plot(summary, items, bounds, many, PLOT_PNG, same)
     from bench.report import update_section  # imports torch: only when writing
 
     update_section(*SECTION, report_body(args, record, rounds, kept, dropped, bw, bounds, tables))

@@ -132,48 +132,57 @@ def build_times(root: Path) -> dict[str, float]:
     return {p.name.removeprefix(".done-"): float(p.read_text()) for p in sorted(root.glob(".done-*"))}
 
 
+def _build_env() -> dict[str, str]:
+    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="2")
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+NICE = ["nice", "-n", "19"]
+
+
+def fetch_sdist(root: Path, log: Path) -> None:
+    """llama-cpp-python's source release, unpacked to ``root/src``."""
+    dl = root / "sdist"
+    dl.mkdir(exist_ok=True)
+    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+          f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(dl)], log)
+    [tgz] = list(dl.glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(tgz) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        tar.extractall(root, filter="data")
+    (root / top).rename(root / "src")
+
+
+def build_llama_cpp(root: Path, log: Path) -> None:
+    """One cmake build of the vendored llama.cpp: libllama.so and llama-server."""
+    peers, build = Peers(root), root / "build"
+    _run(NICE + ["cmake", "-S", str(peers.llama_cpp_src), "-B", str(build), *CMAKE_FLAGS], log, _build_env())
+    _run(NICE + ["cmake", "--build", str(build), "--target", "llama-server", "llama", "-j", "2"], log, _build_env())
+
+
+def make_venv(root: Path, log: Path) -> None:
+    """The bench-only venv: torch (CPU wheel) first, llama-cpp-python's bindings without a
+    compile of their own (``LLAMA_BUILD=OFF``; they load ``build/bin/libllama.so``), and what
+    ``convert_hf_to_gguf.py`` imports."""
+    peers, env = Peers(root), _build_env()
+    _run([sys.executable, "-m", "venv", str(root / "venv")], log, env)
+    pip = [str(peers.python), "-m", "pip", "install", "-q"]
+    _run(pip + [TORCH_PIN], log, env)  # first, so nothing below can pull a CUDA torch
+    _run(NICE + pip + [str(root / "src")], log, dict(env, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"))
+    _run(pip + [TORCH_PIN, *CONVERT_REQUIREMENTS, str(peers.llama_cpp_src / "gguf-py")], log, env)
+
+
 def ensure_peers(root: Path | None = None) -> Peers:
     """Build whatever is missing (sdist, llama.cpp build, bench venv); return where it lies."""
     root = root or cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    peers = Peers(root)
     log = root / "build.log"
-    nice = ["nice", "-n", "19"]
-    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="2")
-    env.pop("PYTHONPATH", None)
-    env.pop("VIRTUAL_ENV", None)
-
-    def sdist() -> None:
-        dl = root / "sdist"
-        dl.mkdir(exist_ok=True)
-        _run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(dl)],
-            log,
-        )
-        [tgz] = list(dl.glob("llama_cpp_python-*.tar.gz"))
-        with tarfile.open(tgz) as tar:
-            top = tar.getnames()[0].split("/")[0]
-            tar.extractall(root, filter="data")
-        (root / top).rename(root / "src")
-
-    def llama_cpp() -> None:
-        build = root / "build"
-        _run(nice + ["cmake", "-S", str(peers.llama_cpp_src), "-B", str(build), *CMAKE_FLAGS], log, env)
-        _run(nice + ["cmake", "--build", str(build), "--target", "llama-server", "llama", "-j", "2"], log, env)
-
-    def venv() -> None:
-        _run([sys.executable, "-m", "venv", str(root / "venv")], log, env)
-        pip = [str(peers.python), "-m", "pip", "install", "-q"]
-        _run(pip + [TORCH_PIN], log, env)  # first, so nothing below can pull a CUDA torch
-        venv_env = dict(env, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF")
-        _run(nice + pip + [str(root / "src")], log, venv_env)
-        _run(pip + [TORCH_PIN, *CONVERT_REQUIREMENTS, str(peers.llama_cpp_src / "gguf-py")], log, env)
-
-    _step(root, "sdist", log, sdist)
-    _step(root, "llama-cpp", log, llama_cpp)
-    _step(root, "venv", log, venv)
-    return peers
+    _step(root, "sdist", log, lambda: fetch_sdist(root, log))
+    _step(root, "llama-cpp", log, lambda: build_llama_cpp(root, log))
+    _step(root, "venv", log, lambda: make_venv(root, log))
+    return Peers(root)
 
 
 if __name__ == "__main__":

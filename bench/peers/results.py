@@ -40,9 +40,14 @@ class Spread:
     n: int
 
     def text(self, digits: int = 1) -> str:
-        if self.n == 1 or round(self.low, digits) == round(self.high, digits):
+        if round(self.low, digits) == round(self.high, digits):
             return f"{self.median:.{digits}f}"
         return f"{self.median:.{digits}f} ({self.low:.{digits}f}–{self.high:.{digits}f})"
+
+
+    def percent(self) -> str:
+        lo, hi = round(self.low * 100), round(self.high * 100)
+        return f"{self.median:.0%}" if lo == hi else f"{self.median:.0%} ({lo}–{hi} %)"
 
 
 def spread(values: list[float]) -> Spread | None:

@@ -142,6 +142,8 @@ def test_quick_is_a_small_float32_smoke_run() -> None:
     assert (args.rounds, args.precisions, args.num_requests) == (1, ["float32"], 8)
     assert contenders(args) == [("keyserve", "float32"), ("transformers", "float32"), ("llama.cpp", "F32"),
                                 ("llama.cpp", "Q4_1")]
+    assert contenders(parse_args([]))[3:6] == [("keyserve", "bfloat16"), ("transformers", "bfloat16"),
+                                               ("llama.cpp", "BF16")]
     full = parse_args(["--llama-half", "F16"])
     assert (full.rounds, full.max_load, full.threads, full.num_requests) == (3, 1.5, 2, 64)
     assert ("llama.cpp", "F16") in contenders(full) and ("keyserve", "bfloat16") in contenders(full)
@@ -157,3 +159,8 @@ def test_a_contender_stopped_by_its_budget_is_reported_with_what_it_did() -> Non
     assert "did not finish" not in txt
     assert "mismatch" not in did_text(dict(d, finished=True, mismatches=0))
     assert "3 with a token count" in did_text(dict(d, mismatches=3))
+
+
+def test_fractions_read_as_percent() -> None:
+    assert results.spread([0.5]).percent() == "50%"
+    assert results.spread([0.45, 0.5, 0.52]).percent() == "50% (45–52 %)"
