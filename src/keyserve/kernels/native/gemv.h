@@ -7,9 +7,10 @@
  * 2-core AVX2 EPYC over SmolLM2-135M's float32 weights (bench/decode_bench.py, docs/engine.md
  * "Native CPU decode"): see the doc for the numbers that chose this layout.
  *
- * Four weight rows per pass (four independent FMA chains, one load of x per four rows); with
- * several x rows, two at a time against the same four weight rows, which are re-read from L1
- * for the next pair -- so every weight byte comes from memory once whatever the row count.
+ * One x row (batch 1): one weight row at a time, eight FMA chains (ks_dot8). Several x rows:
+ * four weight rows per pass against two x rows at a time (eight chains), the four weight rows
+ * re-read from L1 for the next pair -- so every weight byte comes from memory once whatever
+ * the row count.
  * bfloat16 weights are widened in registers (zero-extend to 32 bits, shift left by 16: exact)
  * and accumulated in float32, as torch's bf16 GEMV does. AVX2+FMA where the compiler targets
  * it (-march=native), a portable scalar loop otherwise.
@@ -97,6 +98,33 @@ static inline __attribute__((always_inline)) void ks_block4(
     }
 }
 
+/* One weight row against one x row with eight independent accumulators: the single-row
+ * (batch-1) case. More chains in flight let the core issue loads further ahead, which is what
+ * a memory-bound stream needs: measured faster than four rows side by side (ks_block4 with
+ * M = 1) and than fewer accumulators, at one and two threads. */
+static inline float ks_dot8(const float *x, int in, const void *w, int wdt, int64_t base) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    int i = 0;
+    for (; i + 64 <= in; i += 64) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), ks_load8(w, wdt, base + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), ks_load8(w, wdt, base + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), ks_load8(w, wdt, base + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), ks_load8(w, wdt, base + i + 24), a3);
+        a4 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 32), ks_load8(w, wdt, base + i + 32), a4);
+        a5 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 40), ks_load8(w, wdt, base + i + 40), a5);
+        a6 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 48), ks_load8(w, wdt, base + i + 48), a6);
+        a7 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 56), ks_load8(w, wdt, base + i + 56), a7);
+    }
+    for (; i + 8 <= in; i += 8)
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), ks_load8(w, wdt, base + i), a0);
+    float s4[4];
+    _mm_storeu_ps(s4, ks_hsum4(_mm256_add_ps(a0, a4), _mm256_add_ps(a1, a5),
+                               _mm256_add_ps(a2, a6), _mm256_add_ps(a3, a7)));
+    float s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+    for (; i < in; i++) s += x[i] * ks_w_at(w, wdt, base + i);
+    return s;
+}
+
 /* One weight row against x rows (the out % 4 tail). */
 static inline void ks_row1(const float *x, int m, int ldx, int in, int in8, const void *w,
                            int wdt, int o, float *y, int ldy) {
@@ -122,6 +150,10 @@ static inline void ks_gemv_rows(const float *x, int m, int ldx, int in, const vo
                                 int o0, int o1, float *y, int ldy) {
 #ifdef KS_GEMV_AVX2
     const int in8 = in & ~7;
+    if (m == 1) {
+        for (int o = o0; o < o1; o++) y[o] = ks_dot8(x, in, w, wdt, (int64_t)o * in);
+        return;
+    }
     int o = o0;
     for (; o + 4 <= o1; o += 4) {
         int r0 = 0;
