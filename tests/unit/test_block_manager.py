@@ -439,6 +439,44 @@ def test_rollback_into_a_cached_block_withdraws_it() -> None:
     assert len(bm.find_cached_prefix(other)) == 1  # only the untouched first block
 
 
+def test_rewritten_block_is_offered_again_once_full() -> None:
+    """Each commit offers only the blocks completed since the last one (a watermark), so a
+    block rewritten after a rollback must be offered again once it is full again -- with the
+    tokens it now holds."""
+    bm = BlockManager(8, 4)
+    seq = _computed(bm, [1, 2, 3, 4, 5, 6, 7, 8])
+    assert seq.num_offered_blocks == 2
+    del seq.prompt_token_ids[6:]
+    bm.truncate(seq, 6)
+    seq.num_computed_tokens = 6
+    seq.append_token(9)
+    seq.append_token(9)
+    assert bm.allocate_slots(seq, 2) == []
+    assert seq.num_offered_blocks == 1
+    seq.num_computed_tokens = 8
+    bm.commit_computed(seq)
+    assert bm.pool.blocks[seq.block_table[1]].block_hash is not None
+    other = Sequence("o", [1, 2, 3, 4, 5, 6, 9, 9, 1], PARAMS)
+    assert len(bm.find_cached_prefix(other)) == 2  # the rewritten block, by its new tokens
+
+
+def test_commit_offers_each_block_once() -> None:
+    """Decoding one token at a time reads a block's tokens only when the block completes: the
+    per-step cost of prefix caching does not grow with the sequence."""
+    bm = BlockManager(16, 4)
+    seq = _computed(bm, [1, 2, 3])
+    reads: list[int] = []
+    real = bm._block_tokens
+    bm._block_tokens = lambda s, i: reads.append(i) or real(s, i)  # type: ignore[method-assign]
+    for t in range(20):
+        seq.append_token(t)
+        assert bm.allocate_slots(seq, 1) is not None
+        seq.num_computed_tokens += 1
+        bm.commit_computed(seq)
+    assert seq.num_offered_blocks == 5
+    assert sorted(reads) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]  # hash + cache, once per block
+
+
 def test_writes_at_the_kv_cap_withdraw_cached_blocks() -> None:
     """At its cap a sequence overwrites evicted slots anywhere: its cached blocks must leave
     the prefix index (shared ones are copied instead)."""

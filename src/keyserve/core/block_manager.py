@@ -63,12 +63,13 @@ class BlockManager:
         return tuple(seq.token_at(i) for i in range(start, start + self.block_size))
 
     def _chain_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
-        """Hashes of the first ``num_full_blocks`` full blocks, extending ``seq.block_hashes``."""
+        """``seq.block_hashes``, extended to at least the first ``num_full_blocks`` full blocks
+        (it may hold more: read only the first ``num_full_blocks``)."""
         hashes = seq.block_hashes
         while len(hashes) < num_full_blocks:
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, self._block_tokens(seq, len(hashes))))
-        return hashes[:num_full_blocks]
+        return hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
         """The longest run of leading full blocks already cached, never the whole sequence
@@ -77,7 +78,7 @@ class BlockManager:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
-        for i, block_hash in enumerate(self._chain_hashes(seq, max_blocks)):
+        for i, block_hash in enumerate(self._chain_hashes(seq, max_blocks)[:max_blocks]):
             block = self.pool.lookup(block_hash, self._block_tokens(seq, i))
             if block is None:
                 break
@@ -100,6 +101,14 @@ class BlockManager:
         writes all of them into spare slots past the ones it holds (evictions wait for the
         verdict, docs/algorithms.md §3), and the settling that follows may move tokens into any
         of its blocks, so every held block must be writable."""
+        if not cached_prefix and not speculative and num_new_tokens == 1 and seq.kv_slot_cap is None:
+            # A decode step (most calls): the new slot lies in a private, unhashed last block
+            # -- nothing to allocate, copy or withdraw. Anything else takes the general path.
+            computed, table = seq.num_computed_tokens, seq.block_table
+            if computed < len(table) * self.block_size:
+                block = self.pool.blocks[table[computed // self.block_size]]
+                if block.ref_cnt == 1 and block.block_hash is None:
+                    return []
         cached_prefix = cached_prefix or []
         if cached_prefix and seq.block_table:
             raise ValueError("a cached prefix can only be attached to a sequence without blocks")
@@ -132,6 +141,8 @@ class BlockManager:
         # full, any block once past the cap) no longer holds what its hash names.
         for index in written:
             self.pool.uncache(self.pool.blocks[seq.block_table[index]])
+        if written:
+            seq.num_offered_blocks = min(seq.num_offered_blocks, written[0])
         for _ in range(new_blocks):
             seq.block_table.append(self.pool.allocate().block_id)
         return copies
@@ -177,18 +188,24 @@ class BlockManager:
         copies = [self._copy_on_write(seq, i) for i in shared]
         for i in block_indices:
             self.pool.uncache(self.pool.blocks[seq.block_table[i]])
+        if block_indices:
+            seq.num_offered_blocks = min(seq.num_offered_blocks, min(block_indices))
         return copies
 
     def commit_computed(self, seq: Sequence) -> None:
-        """Offer the sequence's newly completed full blocks to the prefix cache."""
+        """Offer the sequence's full blocks completed since the last offer to the prefix cache
+        (a block whose content is already cached under another id stays private)."""
         if not self.pool.enable_prefix_caching or not seq.prefix_cacheable:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if num_full <= seq.num_offered_blocks:
+            return
         hashes = self._chain_hashes(seq, num_full)
-        for i in range(num_full):
+        for i in range(seq.num_offered_blocks, num_full):
             block = self.pool.blocks[seq.block_table[i]]
             if block.block_hash is None:
                 self.pool.cache_block(block, hashes[i], self._block_tokens(seq, i))
+        seq.num_offered_blocks = num_full
 
     def note_prefix_query(self, num_tokens: int) -> None:
         self.prefix_queries += num_tokens
@@ -203,6 +220,7 @@ class BlockManager:
             self.pool.acquire(self.pool.blocks[block_id])
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
+        child.num_offered_blocks = parent.num_offered_blocks
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         # The shared blocks are laid out under the parent's cap (compacted, ring slots): the
@@ -218,6 +236,7 @@ class BlockManager:
         num_full = num_slots // self.block_size
         if len(seq.block_hashes) > num_full:
             del seq.block_hashes[num_full:]
+        seq.num_offered_blocks = min(seq.num_offered_blocks, num_full)
 
     def free(self, seq: Sequence) -> None:
         """Release all of a sequence's blocks, tail first so the tail is evicted first."""
@@ -226,6 +245,7 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self.pool.release(self.pool.blocks[block_id])
         seq.block_table = []
+        seq.num_offered_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()

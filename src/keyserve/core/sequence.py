@@ -51,6 +51,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prefix-cache hit tokens at the last admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of full computed blocks
+    # Leading blocks of block_table already offered to the prefix cache (the block manager's
+    # watermark: each step offers only the blocks completed since).
+    num_offered_blocks: int = 0
     num_preemptions: int = 0
     # KV budgets: the most KV slots this sequence may hold (None = one slot per token). Set by
     # the KV-policy layer; the block manager never allocates blocks beyond it.

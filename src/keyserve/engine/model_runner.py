@@ -26,7 +26,7 @@ from keyserve.core.sampler import SamplingTensors, make_generator, sample
 from keyserve.core.spec_decode import verify_drafts
 from keyserve.engine.kv_budget import keyformer
 from keyserve.engine.kv_budget.compaction import apply_compact, apply_settle
-from keyserve.engine.kv_budget.slots import AttentionRows, ScoreRows, SlotPlanner, physical_slots
+from keyserve.engine.kv_budget.slots import AttentionRows, ScoreRows, SlotPlanner
 from keyserve.engine.kv_budget.tracker import KVBudgetTracker
 from keyserve.engine.step_input import (
     CompactOp,
@@ -60,12 +60,15 @@ class ModelInputs:
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[len(tables), longest] int32 block tables, zero-padded: one tensor built in one call."""
     width = max((len(t) for t in tables), default=0) or 1
-    out = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, table in enumerate(tables):
-        if table:
-            out[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    return out.to(device)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(-1, width).to(device)
+
+
+def _slots(table: list[int], start: int, n: int, block_size: int) -> list[int]:
+    """Physical slots of positions ``start .. start + n - 1`` of a sequence that keeps every
+    token (position p in slot p of its block table)."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
 
 
 class ModelRunner:
@@ -146,17 +149,18 @@ class ModelRunner:
         pre = AttentionRows()  # chunks of one or more query tokens
         planner = SlotPlanner(self.budget, self.seq_infos, block)
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []  # physical slots per item: [n], or [L, n] (budgets)
+        positions: list[int] = []
+        # Physical slots per item in token order: a list (keeps every token), or a tensor [n] /
+        # [L, n] from the planner (budgets). Plain steps stay in Python ints until one tensor.
+        slots: list[list[int] | torch.Tensor] = []
         last_index: dict[int, int] = {}
         for index, item in enumerate(step.items[:n_dec] + spare_verify + chunks):
             start, n = item.start, item.num_query_tokens
             verifies = n_dec <= index < n_dec + len(spare_verify)
             rows = dec if index < n_dec or verifies else pre
-            pos = torch.arange(start, start + n, dtype=torch.int64)
             if item.budget is None:
                 rows.add(item.block_table, start + n, n)
-                slots.append(physical_slots(pos, torch.tensor(item.block_table, dtype=torch.int64), block))
+                slots.append(_slots(item.block_table, start, n, block))
             else:
                 try:
                     slots.append(planner.place(item, rows, rows is dec, verifies, len(ids)))
@@ -168,10 +172,16 @@ class ModelRunner:
             last_index[item.seq_id] = len(ids) + n - 1
             ids.extend(item.token_ids)
             ids.extend(item.draft_token_ids)
-            positions.append(pos)
+            positions.extend(range(start, start + n))
         if not ids:  # every sequence failed
             return None
-        slot_mapping = planner.slot_mapping(slots, self.num_layers, self.num_kv_heads)
+        if any(isinstance(s, torch.Tensor) for s in slots):  # some item is budgeted
+            slot_mapping = planner.slot_mapping(
+                [torch.tensor(s, dtype=torch.int64) if isinstance(s, list) else s for s in slots],
+                self.num_layers, self.num_kv_heads,
+            )
+        else:
+            slot_mapping = torch.tensor([x for s in slots for x in s], dtype=torch.int64)  # type: ignore[union-attr]
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
             num_decode_seqs=len(dec),
@@ -191,7 +201,7 @@ class ModelRunner:
             meta.decode_block_tables = meta.decode_block_tables[:0]
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.cat(positions).to(dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             meta=meta,
             last_token_index=last_index,
             score_rows=planner.score_rows,
