@@ -204,6 +204,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.kv_slot_cap = None  # recomputation starts a fresh prompt phase
+        seq.num_lookahead = 0  # and cannot speculate before it is decoding again
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -81,6 +81,7 @@ class KVCore:
         self.known: set[int] = set()  # sequences whose SeqInfo the model side holds
         self.inflight: _InFlight | None = None
         self.num_steps = 0
+        self._lookahead_set = False  # some running sequence may hold a nonzero num_lookahead
         # The prefix store: told of a budgeted prompt just computed, before it is compacted.
         self.prefix_hook: object | None = None
 
@@ -131,11 +132,17 @@ class KVCore:
         ``lookahead``: seq_id -> draft tokens to reserve KV for (the engine's
         ``SpeculativeDecoder.lookaheads``; None = no speculation this step). Only a decoding
         sequence gets them, and under a KV budget only once its prompt-phase selection is done."""
-        wanted = lookahead or {}
-        for seq in self.scheduler.running:
-            decoding = seq.num_uncomputed_tokens == 1
-            selecting = seq.kv_budgeted and seq.kv_slot_cap is None
-            seq.num_lookahead = wanted.get(seq.seq_id, 0) if decoding and not selecting else 0
+        if lookahead is None:  # no speculation this step (the common case: no per-sequence work)
+            if self._lookahead_set:
+                for seq in self.scheduler.running:
+                    seq.num_lookahead = 0
+                self._lookahead_set = False
+        else:
+            for seq in self.scheduler.running:
+                decoding = seq.num_uncomputed_tokens == 1
+                selecting = seq.kv_budgeted and seq.kv_slot_cap is None
+                seq.num_lookahead = lookahead.get(seq.seq_id, 0) if decoding and not selecting else 0
+            self._lookahead_set = True
         plan = self.scheduler.schedule()
         stats = {s.seq_id: self._stat(s) for s in plan.preempted}
         if plan.is_empty:
@@ -216,8 +223,14 @@ class KVCore:
                     self._apply(target, updates[target.seq_id], ops)
             sampled += targets
         plan_prompt_compaction(bm, sampled, ops, self.prefix_hook)
-        for seq in [it.seq for it in plan.scheduled] + sampled:
-            result.seq_stats[seq.seq_id] = self._stat(seq)
+        stats = result.seq_stats
+        for item in plan.scheduled:
+            seq = item.seq
+            stats[seq.seq_id] = SeqStat(len(seq.block_table), seq.num_preemptions,
+                                        seq.num_cached_tokens, seq.num_computed_tokens)
+        for seq in sampled:  # forked siblings (their sources are reported above)
+            if seq.seq_id not in stats:
+                stats[seq.seq_id] = self._stat(seq)
         return result
 
     def _apply(self, seq: Sequence, up: SeqUpdate, ops: list[RunnerOp]) -> bool:

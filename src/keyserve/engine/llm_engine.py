@@ -26,7 +26,7 @@ from keyserve.engine.build import EngineParts, build_local_parts
 from keyserve.engine.detokenizer import IncrementalDetokenizer
 from keyserve.engine.errors import InvalidParamError, PromptTooLongError
 from keyserve.engine.kv_budget.resolve import request_budget
-from keyserve.engine.kv_core import SeqStat, SeqUpdate
+from keyserve.engine.kv_core import KVCore, SeqStat, SeqUpdate
 from keyserve.engine.outputs import CompletionOutput, RequestOutput, RequestStats
 from keyserve.engine.stats import EngineStats
 from keyserve.engine.step_input import ForkOp, StepInput, StepOutput
@@ -118,6 +118,9 @@ class LLMEngine:
         self.vocab_size = parts.arch.vocab_size
         self.budget_defaults = parts.budget_defaults
         self.core = parts.core
+        # In this process the core holds the very Sequence objects the engine does, so what it
+        # reports about them is already there; a remote core (Ray) sends it back per step.
+        self._core_shares_seqs = isinstance(parts.core, KVCore)
         self.speculative = parts.speculative
         self.drafter = parts.speculative.drafter if parts.speculative is not None else None
         self.eos_token_ids = self._eos_ids(parts.arch)
@@ -373,10 +376,11 @@ class LLMEngine:
         result = self.core.commit(updates)
         self._apply_seq_stats(result.seq_stats)
         self._apply_ops(result.ops)
-        for item in items:  # what the core just computed, also when it is another process
-            computed = item.start + item.num_new_tokens + out.num_accepted.get(item.seq_id, 0)
-            for seq_id in [item.seq_id] + item.sample_seq_ids[1:]:
-                self._seqs[seq_id].num_computed_tokens = computed
+        if not self._core_shares_seqs:  # what the remote core just computed
+            for item in items:
+                computed = item.start + item.num_new_tokens + out.num_accepted.get(item.seq_id, 0)
+                for seq_id in [item.seq_id] + item.sample_seq_ids[1:]:
+                    self._seqs[seq_id].num_computed_tokens = computed
         outputs = []
         for req in touched.values():
             held = sum(self._blocks.get(s.seq_id, 0) for s in req.seqs)
@@ -462,8 +466,13 @@ class LLMEngine:
             self._kv_stats.update(self.runner.apply_ops(ops))
 
     def _apply_seq_stats(self, stats: dict[int, SeqStat]) -> None:
+        blocks = self._blocks
+        if self._core_shares_seqs:
+            for seq_id, st in stats.items():
+                blocks[seq_id] = st[0]  # num_blocks; the rest is on the shared Sequence
+            return
         for seq_id, st in stats.items():
-            self._blocks[seq_id] = st.num_blocks
+            blocks[seq_id] = st.num_blocks
             seq = self._seqs.get(seq_id)
             if seq is not None:
                 seq.num_preemptions = st.num_preemptions
@@ -500,21 +509,27 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- outputs
     def _snapshot(self, req: _Request) -> RequestOutput:
-        outs = []
-        for seq in sorted(req.seqs, key=lambda s: s.sample_index):
-            detok = req.detoks[seq.seq_id]
-            outs.append(
-                CompletionOutput(
-                    index=seq.sample_index,
-                    text=detok.text,
-                    token_ids=list(seq.output_token_ids),
-                    finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                    logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
-                )
+        seqs = req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=lambda s: s.sample_index)
+        detoks = req.detoks
+        logprobs = req.params.logprobs
+        outs = [
+            CompletionOutput(
+                seq.sample_index,
+                detoks[seq.seq_id].text,
+                list(seq.output_token_ids),
+                seq.finish_reason.value if seq.finish_reason else None,
+                list(seq.output_logprobs) if logprobs else None,
             )
-        return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, self._stats(req)
+            for seq in seqs
+        ]
+        finished = req.finished
+        # Full statistics on the last output; in flight only the token counts (the rest --
+        # KV, speculation, latency sums over every sample -- would cost every step).
+        stats = self._stats(req) if finished else RequestStats(
+            prompt_tokens=len(req.prompt_token_ids),
+            generated_tokens=sum(len(s.output_token_ids) for s in req.seqs),
         )
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, stats)
 
     def _stats(self, req: _Request) -> RequestStats:
         generated = sum(len(s.output_token_ids) for s in req.seqs)
