@@ -42,6 +42,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # Complete on the last output (``finished``); while in flight only prompt_tokens and
+    # generated_tokens are filled (the rest would cost every step for every request).
     stats: RequestStats = field(default_factory=RequestStats)
     # Set on the last output of a request that failed inside a step (it alone was aborted:
     # finish_reason "abort"); the streaming layers raise it to the request's consumer.
