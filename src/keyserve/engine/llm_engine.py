@@ -333,9 +333,8 @@ class LLMEngine:
         what it did in this step (nor offers its blocks as a cached prefix)."""
         now = time.monotonic()
         self._kv_stats.update(out.kv_stats)
-        touched: dict[str, _Request] = {}
-        for item in step.items:
-            touched[self._seq_owner[item.seq_id].request_id] = self._seq_owner[item.seq_id]
+        owner = self._seq_owner
+        touched = {req.request_id: req for req in [owner[item.seq_id] for item in step.items]}
         failed = self._failed_on_model_side(out.failed) if out.failed else {}
         items = step.items if not failed else [
             it for it in step.items if self._seq_owner[it.seq_id].request_id not in failed
@@ -382,13 +381,15 @@ class LLMEngine:
                 for seq_id in [item.seq_id] + item.sample_seq_ids[1:]:
                     self._seqs[seq_id].num_computed_tokens = computed
         outputs = []
+        blocks = self._blocks
         for req in touched.values():
-            held = sum(self._blocks.get(s.seq_id, 0) for s in req.seqs)
-            req.max_blocks = max(req.max_blocks, held)
+            held = sum(blocks.get(s.seq_id, 0) for s in req.seqs)
+            if held > req.max_blocks:
+                req.max_blocks = held
             if req.finished:
                 outputs.append(self._pop_finished(req))
             else:
-                outputs.append(self._snapshot(req))
+                outputs.append(self._snapshot(req, finished=False))
         if failed:
             for output in outputs:
                 output.error = failed.get(output.request_id)
@@ -454,8 +455,13 @@ class LLMEngine:
     def _emit(self, req: _Request, seq: Sequence, out: StepOutput, now: float) -> SeqUpdate:
         """Append a sequence's emitted tokens up to the first stop condition."""
         base = len(seq.output_token_ids)
+        tokens = out.tokens[seq.seq_id]
+        if len(tokens) == 1:  # a plain decode step
+            logprob = out.logprobs.get(seq.seq_id) if out.logprobs else None
+            self._append_token(req, seq, tokens[0], logprob[0] if logprob else None, now)
+            return SeqUpdate(seq.seq_id, base, tokens, finish=seq.finish_reason)
         logprobs = out.logprobs.get(seq.seq_id)
-        for j, token in enumerate(out.tokens[seq.seq_id]):
+        for j, token in enumerate(tokens):
             self._append_token(req, seq, token, logprobs[j] if logprobs else None, now)
             if seq.is_finished:  # a stop condition inside an accepted run
                 break
@@ -508,7 +514,7 @@ class LLMEngine:
         seq.finish_time = time.monotonic()
 
     # ---------------------------------------------------------------- outputs
-    def _snapshot(self, req: _Request) -> RequestOutput:
+    def _snapshot(self, req: _Request, finished: bool | None = None) -> RequestOutput:
         seqs = req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=lambda s: s.sample_index)
         detoks = req.detoks
         logprobs = req.params.logprobs
@@ -522,7 +528,7 @@ class LLMEngine:
             )
             for seq in seqs
         ]
-        finished = req.finished
+        finished = req.finished if finished is None else finished
         # Full statistics on the last output; in flight only the token counts (the rest --
         # KV, speculation, latency sums over every sample -- would cost every step).
         stats = self._stats(req) if finished else RequestStats(
