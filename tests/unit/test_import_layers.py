@@ -66,8 +66,6 @@ LAZY: list[Lazy] = [
          "Ray, only when the server runs the Ray engine"),
     Lazy("keyserve.engine.async_engine", "keyserve.engine.llm_engine", frozenset({"LLMEngine"}),
          "torch: the HTTP layer imports the async front torch-free; the model loads on the engine thread"),
-    Lazy("keyserve.engine.async_engine", "keyserve.engine.llm_engine", frozenset({"StepFailedError"}),
-         "debt, not a reason: a torch-free exception defined in llm_engine; belongs in engine/errors.py"),
 ]
 
 # What the HTTP / batch layer may import from the layers below the actors.

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from keyserve.config import EngineConfig
 from keyserve.core.sampling_params import SamplingParams
-from keyserve.engine.errors import PromptTooLongError
+from keyserve.engine.errors import PromptTooLongError, StepFailedError
 from keyserve.engine.outputs import RequestOutput
 from keyserve.engine.stats import EngineStats
 
@@ -483,7 +483,6 @@ class AsyncLLMEngine:
         """A step raised. ``StepFailedError``: the engine aborted the requests that step ran
         and recovered; only they fail. Anything else (another engine, a fault before the
         engine could recover): every request in flight fails."""
-        from keyserve.engine.llm_engine import StepFailedError
 
         if not isinstance(error, StepFailedError):
             self._fail_all(EngineStepError(f"engine step failed: {error!r}"))

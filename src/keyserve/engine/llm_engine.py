@@ -24,7 +24,7 @@ from keyserve.core.sequence import FinishReason, Sequence, SequenceStatus
 from keyserve.engine.admission import EngineLimits, admit_params, check_token_ids
 from keyserve.engine.build import EngineParts, build_local_parts
 from keyserve.engine.detokenizer import IncrementalDetokenizer
-from keyserve.engine.errors import InvalidParamError, PromptTooLongError
+from keyserve.engine.errors import InvalidParamError, PromptTooLongError, RequestFailedError, StepFailedError
 from keyserve.engine.kv_budget.resolve import request_budget
 from keyserve.engine.kv_core import KVCore, SeqStat, SeqUpdate
 from keyserve.engine.outputs import CompletionOutput, RequestOutput, RequestStats
@@ -32,29 +32,10 @@ from keyserve.engine.stats import EngineStats
 from keyserve.engine.step_input import ForkOp, StepInput, StepOutput
 from keyserve.model.loader import LoadedModel
 
-__all__ = ["InvalidParamError", "LLMEngine", "PromptTooLongError"]
+__all__ = ["InvalidParamError", "LLMEngine", "PromptTooLongError", "RequestFailedError", "StepFailedError"]
 
 
 log = logging.getLogger(__name__)
-
-
-class RequestFailedError(InvalidParamError):
-    """One request failed inside a step (something in it the engine could not process); it
-    alone was aborted, the step went on for the others. Carried by its last output's
-    ``error``; a 400-class error for the client (its content, not the server, is at fault)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message, param)  # type: ignore[arg-type]
-
-
-class StepFailedError(RuntimeError):
-    """A step raised outside the per-request guards. The requests it was running were aborted
-    (``request_ids``, their last ``outputs``); the engine is consistent and can step on."""
-
-    def __init__(self, message: str, request_ids: list[str], outputs: list[RequestOutput]) -> None:
-        super().__init__(message)
-        self.request_ids = request_ids
-        self.outputs = outputs
 
 
 def _op_seq_ids(op: object) -> tuple[int, ...]:
