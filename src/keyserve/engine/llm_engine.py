@@ -584,14 +584,9 @@ class LLMEngine:
         core = self.core.stats()
         acceptance = self.speculative.stats if self.speculative is not None else None
         return EngineStats(
+            core=core,
             num_requests_running=core.num_running_requests,
             num_requests_waiting=len(self.requests) - core.num_running_requests,
-            num_blocks=core.num_blocks,
-            num_free_blocks=core.num_free_blocks,
-            block_size=core.block_size,
-            prefix_cache_queries=core.prefix_cache_queries,
-            prefix_cache_hits=core.prefix_cache_hits,
-            num_preemptions=core.num_preemptions,
             kv_tokens_evicted=self.finished_kv_evicted,
             spec_draft_tokens=acceptance.num_draft_tokens if acceptance else 0,
             spec_accepted_tokens=acceptance.num_accepted_tokens if acceptance else 0,

@@ -30,16 +30,12 @@ class CoreStats:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot of one engine (read by ``/metrics`` and the async front)."""
+    """A snapshot of one engine (read by ``/metrics`` and the async front): the KV core's
+    counts (``core``) and what the engine itself keeps."""
 
+    core: CoreStats = field(default_factory=CoreStats)
     num_requests_running: int = 0
     num_requests_waiting: int = 0  # admitted, none of its sequences running
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    block_size: int = 0
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # tokens found there
-    num_preemptions: int = 0
     kv_tokens_evicted: int = 0  # by KV budgets, over finished requests
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -47,6 +43,31 @@ class EngineStats:
     generation_tokens: int = 0
     num_steps: int = 0
     prefix_store: dict[str, float] = field(default_factory=dict)  # empty when the store is off
+
+    # The core's counts, by the names /metrics and the front read.
+    @property
+    def num_blocks(self) -> int:
+        return self.core.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.core.num_free_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.core.block_size
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.core.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.core.prefix_cache_hits
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.core.num_preemptions
 
     @property
     def kv_cache_usage(self) -> float:
