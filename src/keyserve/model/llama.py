@@ -208,7 +208,8 @@ class LlamaForCausalLM(nn.Module):
             and NativeDecodeStack.takes(input_ids, meta)
             and native.weight_ptr == self.model.layers[0].self_attn.qkv_proj.weight.data_ptr()
         ):
-            hidden = native.run(input_ids, positions, kv_caches, meta)
+            sliding = [not full for full in self._full_attention_layers]
+            hidden = native.run(input_ids, positions, kv_caches, meta, sliding)
             if hidden is not None:
                 return hidden, None
         h = self.model.embed_tokens(input_ids)

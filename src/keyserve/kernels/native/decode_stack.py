@@ -93,6 +93,7 @@ class NativeDecodeStack:
         )
         self._eps, self._scale = float(eps), float(head_dim**-0.5)
         self._caches_key: tuple[int, int, int] | None = None
+        self._sliding = [lw.sliding for lw in layers]
         self.weight_ptr = layers[0].qkv_w.data_ptr()  # the model checks its weights are these
 
     @staticmethod
@@ -142,6 +143,7 @@ class NativeDecodeStack:
         positions: torch.Tensor,  # [m] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [blocks, B, hkv, d] each
         meta: AttentionMetadata,
+        sliding: list[bool] | None = None,  # [layers]: which layers take the window (default: as built)
     ) -> torch.Tensor | None:  # [m, hidden] final hidden states (after the last norm), model dtype
         """One decode step through every layer; writes this step's K/V into the caches. None
         (nothing done) where the caches are not float32/bf16 contiguous CPU tensors."""
@@ -150,6 +152,11 @@ class NativeDecodeStack:
             raise RuntimeError("native CPU kernels are unavailable (see keyserve.kernels.native)")
         if not self._bind_caches(kv_caches):
             return None
+        if sliding is not None and sliding != self._sliding:
+            if len(sliding) != self.num_layers:
+                raise ValueError(f"sliding: {len(sliding)} flags for {self.num_layers} layers")
+            self._table[:, _FIELDS - 1] = torch.tensor(sliding, dtype=torch.int64)
+            self._sliding = list(sliding)
         m = input_ids.shape[0]
         ids = _as(input_ids, torch.int64)
         pos = _as(positions, torch.int64)
