@@ -221,8 +221,12 @@ def many_table(many: dict[str, dict]) -> str:
             ratio = results.ratio(row["keyserve"]["tok_s"], d["tok_s"]) if name != "keyserve" else None
             rows.append([p, name, f"{d['tok_s']:.1f}" if d["tok_s"] else "0 (nothing finished)",
                          f"{ratio:.2f}×" if ratio else "—", d["config"], did_text(d), f"{d['load_before']:.2f}"])
-    return markdown_table(["precision", "engine", "useful tok/s", "keyserve ÷ this", "configuration", "what it did",
-                           "load before"], rows)
+    table = markdown_table(["precision", "engine", "useful tok/s", "keyserve ÷ this", "configuration", "what it did",
+                            "load before"], rows)
+    tries = [f"{p}: " + "; ".join(f"{t['config']} {t['tok_s'] or 0:.1f} tok/s ({t['requests']} requests in "
+                                  f"{t['elapsed']:.0f} s{', ' + t['error'] if t['error'] else ''})"
+                                  for t in row["transformers"]["tries"]) for p, row in many.items()]
+    return table + "\n\ntransformers, every way tried (the best is in the table): " + " — ".join(tries) + "."
 
 
 def targets_table(targets: list[results.Target]) -> str:
@@ -231,7 +235,7 @@ def targets_table(targets: list[results.Target]) -> str:
 
 
 def plot(summary: dict, items: list[tuple[str, str]], bounds: dict[str, float], many: dict, path: Path,
-         gguf_name: dict[str, str]) -> None:
+         gguf_name: dict[str, str], title: str = "") -> None:
     """Decode and prefill tok/s per contender (decode with its bandwidth bound), and the
     many-request throughput. ``bounds`` is keyed by GGUF precision; ``gguf_name`` maps
     keyserve's precision names onto those."""
@@ -265,6 +269,8 @@ def plot(summary: dict, items: list[tuple[str, str]], bounds: dict[str, float], 
         axes[2].bar(range(len(labels)), vals, color=cols)
         axes[2].set_xticks(range(len(labels)), labels, rotation=35, ha="right", fontsize=8)
         axes[2].set_title("many requests: useful (generated) tok/s")
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -355,7 +361,10 @@ def main(argv: list[str] | None = None) -> None:
         "targets": [vars(t) | {"verdict": t.verdict} for t in targets],
     }
     RESULTS_JSON.write_text(json.dumps(record, indent=1))
-    plot(summary, items, bounds, many, PLOT_PNG, same)
+    title = (f"SmolLM2-135M-Instruct, {args.threads} threads, {record['cpu']}, {record['date'][:10]}; "
+             f"load {load_start} → {load_end}" + ("; SMOKE RUN (--quick), not a measurement" if args.quick else "")
+             + ("" if kept else f"; every round above load {args.max_load}"))
+    plot(summary, items, bounds, many, PLOT_PNG, same, title)
     from bench.report import update_section  # imports torch: only when writing
 
     update_section(*SECTION, report_body(args, record, rounds, kept, dropped, bw, bounds, tables))
