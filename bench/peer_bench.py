@@ -247,11 +247,11 @@ def plot(summary: dict, items: list[tuple[str, str]], bounds: dict[str, float], 
     names = [contender(*i) for i in items if contender(*i) in summary]
     colours = {"keyserve": "tab:blue", "llama.cpp": "tab:orange", "transformers": "tab:green"}
     fig, axes = plt.subplots(1, 3 if many else 2, figsize=(16 if many else 11, 4.5))
-    for ax, metric, title in ((axes[0], "decode", "batch-1 decode tok/s"), (axes[1], "prefill", "prefill tok/s")):
+    for ax, metric, heading in ((axes[0], "decode", "batch-1 decode tok/s"), (axes[1], "prefill", "prefill tok/s")):
         vals = [summary[n][metric].median for n in names]
         ax.bar(range(len(names)), vals, color=[colours[n.split()[0]] for n in names])
         ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
-        ax.set_title(title)
+        ax.set_title(heading)
     # each bar's own bandwidth bound (its precision's bytes per token), as a black tick above it
     ticks = [(i, bounds.get(gguf_name.get(n.split()[1], n.split()[1]))) for i, n in enumerate(names)]
     ticks = [(i, b) for i, b in ticks if b]
