@@ -3,8 +3,11 @@
 1. batch-1 decode tokens/s, and as a fraction of the memory-bandwidth bound (bandwidth measured
    in the same run ÷ bytes of weights read per token);
 2. throughput of 64 requests (prompts 50–1000 tokens, outputs 16–256): keyserve's continuous
-   batching vs transformers' padded ``generate`` (batches of 16) and its ``generate_batch``, and
-   as a fraction of the compute bound (matmul FLOP/s measured in the same run).
+   batching vs transformers' padded ``generate`` (batches of 16) and its continuous batching
+   (``generate_batch``'s manager), and as a fraction of the compute bound (matmul FLOP/s measured
+   in the same run). transformers gets what keyserve gets: the time it needs (or ``--hf-budget``
+   seconds), counted from when its model is loaded; one stopped by a budget is reported with the
+   requests and tokens it finished.
 
     python bench/generate_bench.py [--dtypes float32 bfloat16] [--num-requests 64]
 """

@@ -164,3 +164,15 @@ def test_a_contender_stopped_by_its_budget_is_reported_with_what_it_did() -> Non
 def test_fractions_read_as_percent() -> None:
     assert results.spread([0.5]).percent() == "50%"
     assert results.spread([0.45, 0.5, 0.52]).percent() == "50% (45–52 %)"
+
+
+def test_the_worker_runs_in_a_venv_without_keyserve() -> None:
+    """bench/peers/worker.py runs under the bench-only venv too (llama.cpp's side), which has no
+    keyserve, transformers or httpx: its module level imports the standard library only."""
+    import ast
+
+    tree = ast.parse((Path(__file__).resolve().parents[2] / "bench" / "peers" / "worker.py").read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = {a.name.split(".")[0] for n in top if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in top if isinstance(n, ast.ImportFrom) and n.module}
+    assert names <= set(sys.stdlib_module_names) | {"__future__"}, names
