@@ -8,7 +8,8 @@ import torch
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.scheduler import SchedulerConfig
 from keyserve.core.sequence import FinishReason, Sequence
-from keyserve.engine.kv_core import KVCore, SeqUpdate
+from keyserve.engine.kv_core import KVCore
+from keyserve.engine.step_input import StepOutput
 
 
 def greedy_with_logits(
@@ -28,14 +29,14 @@ def greedy_with_logits(
         for item in step.items:
             item.return_logits = item.num_query_tokens
         out = runner.execute(step)
-        updates = {}
+        kept = StepOutput()
         for item in step.items:
             rows[item.seq_id].append(out.logits[item.seq_id])
             if item.sample_seq_ids:
                 seq = next(s for s in seqs if s.seq_id == item.seq_id)
-                done = len(seq.output_token_ids) + 1 >= max_tokens
-                updates[item.seq_id] = SeqUpdate(item.seq_id, len(seq.output_token_ids), out.tokens[item.seq_id],
-                                                 finish=FinishReason.LENGTH if done else None)
-        core.commit(updates)
+                kept.tokens[item.seq_id] = out.tokens[item.seq_id]
+                if len(seq.output_token_ids) + 1 >= max_tokens:
+                    kept.finished[item.seq_id] = FinishReason.LENGTH
+        core.commit(kept)
     assert core.block_manager.num_free_blocks == num_blocks
     return [s.output_token_ids for s in seqs], [torch.cat(rows[s.seq_id]) for s in seqs]

@@ -16,11 +16,11 @@ from keyserve.actors.common import ACTOR_LOST, CoreLost, new_incarnation
 from keyserve.config import ParallelConfig
 from keyserve.core.sequence import FinishReason, Sequence
 from keyserve.engine.build import KVCoreArgs, build_core
-from keyserve.engine.kv_core import CoreReply, SeqStat, SeqUpdate
+from keyserve.engine.kv_core import CoreReply, SeqStat
 from keyserve.engine.stats import CoreStats
-from keyserve.engine.step_input import RunnerOp, StepInput
+from keyserve.engine.step_input import RunnerOp, StepInput, StepOutput
 
-Command = tuple  # ("add", seqs, pending, forced) | ("finish", seq_id, reason) | ("commit", updates) | ("reset",)
+Command = tuple  # ("add", seqs, pending, forced) | ("finish", seq_id, reason) | ("commit", output) | ("reset",)
 
 
 class KVManagerActor:
@@ -119,8 +119,8 @@ class RemoteCore:
         self.commands.append(("finish", seq_id, reason))
         return CoreReply()
 
-    def commit(self, updates: dict[int, SeqUpdate]) -> CoreReply:
-        self.commands.append(("commit", updates))
+    def commit(self, output: StepOutput) -> CoreReply:
+        self.commands.append(("commit", output))
         return CoreReply()
 
     def schedule(self, lookahead: dict[int, int] | None = None) -> CoreReply:

@@ -8,8 +8,8 @@ tokens to keep is decided on the model side, per rank). Per step it is asked onc
 holds the step in flight. Every call answers with a ``CoreReply``. The in-process engine calls
 it directly; the KV-block manager actor wraps it unchanged.
 
-It never sees text: stop conditions are checked by the engine, which sends back the tokens it
-kept and whether the sequence finished (``SeqUpdate``).
+It never sees text: stop conditions are checked by the engine, which commits the step's output
+as they left it (``StepOutput``: the tokens each sequence kept, which ones finished).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from keyserve.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, St
 from keyserve.core.sequence import FinishReason, Sequence, SequenceStatus
 from keyserve.engine.kv_budget.compaction import plan_prompt_compaction, settle_op
 from keyserve.engine.stats import CoreStats
-from keyserve.engine.step_input import ForkOp, ReleaseOp, RetainOp, RunnerOp, SeqInfo, StepInput, StepItem
+from keyserve.engine.step_input import ForkOp, ReleaseOp, RetainOp, RunnerOp, SeqInfo, StepInput, StepItem, StepOutput
 
 
 
@@ -33,18 +33,6 @@ class SeqStat(NamedTuple):
     num_preemptions: int
     num_cached_tokens: int
     num_computed_tokens: int
-
-
-@dataclass
-class SeqUpdate:
-    """What one step did to one sequence, after the engine's stop checks."""
-
-    seq_id: int
-    base: int  # output tokens the sequence had before this step
-    token_ids: list[int]  # appended this step
-    num_accepted: int | None = None  # verified sequences: drafts accepted (their KV stays)
-    num_draft: int = 0
-    finish: FinishReason | None = None
 
 
 @dataclass
@@ -61,6 +49,7 @@ class _InFlight:
     plan: StepPlan
     targets: dict[int, list[Sequence]]  # seq_id -> sequences sampled from its last row
     forced: set[int]  # seq_ids whose token is teacher-forced
+    bases: dict[int, int]  # seq_id -> output tokens it had when scheduled (what commit appends to)
 
 
 class KVCore:
@@ -147,7 +136,7 @@ class KVCore:
         stats = {s.seq_id: self._stat(s) for s in plan.preempted}
         if plan.is_empty:
             return CoreReply(None, seq_stats=stats)
-        flight = _InFlight(plan, {}, set())
+        flight = _InFlight(plan, {}, set(), {})
         items = []
         infos: dict[int, SeqInfo] = {}
         for scheduled in plan.scheduled:
@@ -164,6 +153,7 @@ class KVCore:
                 flight.targets[seq.seq_id] = targets
                 fields["sample_seq_ids"] = [t.seq_id for t in targets]
             items.append(_item(scheduled, **fields))
+            flight.bases[seq.seq_id] = len(seq.output_token_ids)  # siblings: none (not in bases)
             for s in [seq] + flight.targets.get(seq.seq_id, []):
                 if s.seq_id not in self.known:
                     infos[s.seq_id] = SeqInfo(s.params, s.sample_index)
@@ -174,9 +164,12 @@ class KVCore:
         return CoreReply(step, seq_stats=stats)
 
     # ---------------------------------------------------------------- commit
-    def commit(self, updates: dict[int, SeqUpdate]) -> CoreReply:
-        """Apply the step in flight: computed tokens, rollback of rejected drafts, forks of
-        siblings, appended tokens, finished sequences, prompt compaction under KV budgets."""
+    def commit(self, out: StepOutput) -> CoreReply:
+        """Apply the step in flight as the engine's stop checks left its output (``tokens``
+        kept per sequence, ``finished``, ``num_accepted``): computed tokens, rollback of
+        rejected drafts, forks of siblings, appended tokens, finished sequences, prompt
+        compaction under KV budgets. A scheduled sequence absent from ``out.tokens`` emitted
+        nothing (a prompt chunk, or its request failed in the step)."""
         flight, self.inflight = self.inflight, None
         result = CoreReply()
         if flight is None:
@@ -184,32 +177,32 @@ class KVCore:
         bm = self.block_manager
         ops = result.ops
         plan = flight.plan
+        emitted, accepted = out.tokens, out.num_accepted
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             bm.commit_computed(item.seq)
-        live = [it for it in plan.scheduled if it.seq.seq_id in updates and it.seq.seq_id in self.seqs]
+        live = [it for it in plan.scheduled if it.seq.seq_id in emitted and it.seq.seq_id in self.seqs]
         for item in live:
-            up = updates[item.seq.seq_id]
             seq = item.seq
-            if up.num_accepted is None:
+            if seq.seq_id not in accepted:
                 if item.num_lookahead and seq.kv_slot_cap is not None:
                     bm.truncate(seq, seq.kv_slots_for(seq.num_computed_tokens))  # unused spare
                 continue
-            seq.num_computed_tokens += up.num_accepted  # the accepted drafts' KV is valid
+            seq.num_computed_tokens += accepted[seq.seq_id]  # the accepted drafts' KV is valid
             if seq.kv_slot_cap is not None:  # budgeted: settled before the spare blocks go below
                 ops.append(settle_op(seq))
             bm.truncate(seq, seq.kv_slots_for(seq.num_computed_tokens))  # drop rejected slots
-            if not self._apply(seq, up, ops):
+            if not self._apply(seq, flight.bases[seq.seq_id], out, ops):
                 bm.commit_computed(seq)
         forced = [it.seq for it in live if it.seq.seq_id in flight.forced]
         for seq in forced:
-            self._apply(seq, updates[seq.seq_id], ops)
+            self._apply(seq, flight.bases[seq.seq_id], out, ops)
         plan_prompt_compaction(bm, forced, ops, self.prefix_hook)
         sampled: list[Sequence] = []
         for item in live:
             source = item.seq
             targets = flight.targets.get(source.seq_id)
-            if targets is None or updates[source.seq_id].num_accepted is not None:
+            if targets is None or source.seq_id in accepted:
                 continue
             # Siblings fork from the computed prompt before any token can finish (and free) it.
             for target in targets[1:]:
@@ -219,8 +212,8 @@ class KVCore:
                 self.scheduler.add_running(target)
             self.pending.pop(source.seq_id, None)
             for target in targets:
-                if target.seq_id in updates:
-                    self._apply(target, updates[target.seq_id], ops)
+                if target.seq_id in emitted:
+                    self._apply(target, flight.bases.get(target.seq_id, 0), out, ops)
             sampled += targets
         plan_prompt_compaction(bm, sampled, ops, self.prefix_hook)
         stats = result.seq_stats
@@ -233,16 +226,18 @@ class KVCore:
                 stats[seq.seq_id] = self._stat(seq)
         return result
 
-    def _apply(self, seq: Sequence, up: SeqUpdate, ops: list[RunnerOp]) -> bool:
-        """Append the update's tokens (already there when the engine shares the object);
-        finish the sequence if the update says so. True if it finished."""
+    def _apply(self, seq: Sequence, base: int, out: StepOutput, ops: list[RunnerOp]) -> bool:
+        """Append the sequence's kept tokens to its ``base`` output tokens (already there when
+        the engine shares the object); finish it if the step did. True if it finished."""
+        tokens = out.tokens[seq.seq_id]
         have = len(seq.output_token_ids)
-        if have == up.base:
-            seq.output_token_ids.extend(up.token_ids)
-        elif have != up.base + len(up.token_ids):
-            raise RuntimeError(f"sequence {seq.seq_id}: {have} output tokens, update expects {up.base}")
-        if up.finish is not None:
-            self._finish(seq, up.finish, ops)
+        if have == base:
+            seq.output_token_ids.extend(tokens)
+        elif have != base + len(tokens):
+            raise RuntimeError(f"sequence {seq.seq_id}: {have} output tokens, the step expects {base}")
+        reason = out.finished.get(seq.seq_id)
+        if reason is not None:
+            self._finish(seq, reason, ops)
             return True
         return False
 

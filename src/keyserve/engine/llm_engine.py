@@ -26,7 +26,7 @@ from keyserve.engine.build import EngineParts, build_local_parts
 from keyserve.engine.detokenizer import IncrementalDetokenizer
 from keyserve.engine.errors import InvalidParamError, PromptTooLongError, RequestFailedError, StepFailedError
 from keyserve.engine.kv_budget.resolve import request_budget
-from keyserve.engine.kv_core import KVCore, SeqStat, SeqUpdate
+from keyserve.engine.kv_core import KVCore, SeqStat
 from keyserve.engine.outputs import CompletionOutput, RequestOutput, RequestStats
 from keyserve.engine.stats import EngineStats
 from keyserve.engine.step_input import ForkOp, StepInput, StepOutput
@@ -320,7 +320,9 @@ class LLMEngine:
         items = step.items if not failed else [
             it for it in step.items if self._seq_owner[it.seq_id].request_id not in failed
         ]
-        updates: dict[int, SeqUpdate] = {}
+        # What the core commits: the step output after the stop checks -- each sequence's
+        # tokens cut at its stop, which sequences finished, drafts accepted.
+        kept = StepOutput()
         for item in items:
             if not (item.verifies or item.forced_token_id is not None or item.sample_seq_ids):
                 continue  # a prompt chunk that does not complete the prompt
@@ -330,30 +332,30 @@ class LLMEngine:
                     accepted = out.num_accepted[item.seq_id]
                     if self.speculative is not None:
                         self.speculative.record(req.request_id, item.seq_id, len(item.draft_token_ids), accepted)
-                    update = updates[item.seq_id] = self._emit(req, self._seqs[item.seq_id], out, now)
-                    update.num_accepted = accepted
-                    update.num_draft = len(item.draft_token_ids)
+                    self._emit(req, self._seqs[item.seq_id], out, now, kept)
+                    kept.num_accepted[item.seq_id] = accepted
                 elif item.forced_token_id is not None:
-                    updates[item.seq_id] = self._emit(req, self._seqs[item.seq_id], out, now)
+                    self._emit(req, self._seqs[item.seq_id], out, now, kept)
                 else:
                     for target_id in item.sample_seq_ids[1:]:  # siblings join once forked
                         target = self._seqs[target_id]
                         req.pending_forks.remove(target)
                         req.seqs.append(target)
                     for target_id in item.sample_seq_ids:
-                        updates[target_id] = self._emit(req, self._seqs[target_id], out, now)
+                        self._emit(req, self._seqs[target_id], out, now, kept)
             except Exception as e:  # noqa: BLE001 — this request's stop checks; fails it alone
                 log.warning("request %s failed in its stop checks", req.request_id, exc_info=True)
                 failed[req.request_id] = RequestFailedError(
                     f"request {req.request_id} failed in the engine step (stop checks): {_describe(e)}"
                 )
                 for seq in req.all_seqs:
-                    updates.pop(seq.seq_id, None)
+                    for part in (kept.tokens, kept.num_accepted, kept.finished):
+                        part.pop(seq.seq_id, None)
         if failed:
             items = [it for it in step.items if self._seq_owner[it.seq_id].request_id not in failed]
             for rid in failed:
                 self._abort_seqs(self.requests[rid])
-        result = self.core.commit(updates)
+        result = self.core.commit(kept)
         self._apply_seq_stats(result.seq_stats)
         self._apply_ops(result.ops)
         if not self._core_shares_seqs:  # what the remote core just computed
@@ -433,20 +435,24 @@ class LLMEngine:
         self._running_step = None
         return StepFailedError(f"engine step failed: {_describe(error)}", doomed, outputs)
 
-    def _emit(self, req: _Request, seq: Sequence, out: StepOutput, now: float) -> SeqUpdate:
-        """Append a sequence's emitted tokens up to the first stop condition."""
+    def _emit(self, req: _Request, seq: Sequence, out: StepOutput, now: float, kept: StepOutput) -> None:
+        """Append a sequence's emitted tokens up to the first stop condition; record in
+        ``kept`` what it kept and whether it finished."""
         base = len(seq.output_token_ids)
         tokens = out.tokens[seq.seq_id]
         if len(tokens) == 1:  # a plain decode step
             logprob = out.logprobs.get(seq.seq_id) if out.logprobs else None
             self._append_token(req, seq, tokens[0], logprob[0] if logprob else None, now)
-            return SeqUpdate(seq.seq_id, base, tokens, finish=seq.finish_reason)
-        logprobs = out.logprobs.get(seq.seq_id)
-        for j, token in enumerate(tokens):
-            self._append_token(req, seq, token, logprobs[j] if logprobs else None, now)
-            if seq.is_finished:  # a stop condition inside an accepted run
-                break
-        return SeqUpdate(seq.seq_id, base, seq.output_token_ids[base:], finish=seq.finish_reason)
+        else:
+            logprobs = out.logprobs.get(seq.seq_id)
+            for j, token in enumerate(tokens):
+                self._append_token(req, seq, token, logprobs[j] if logprobs else None, now)
+                if seq.is_finished:  # a stop condition inside an accepted run
+                    tokens = seq.output_token_ids[base:]
+                    break
+        kept.tokens[seq.seq_id] = tokens
+        if seq.finish_reason is not None:
+            kept.finished[seq.seq_id] = seq.finish_reason
 
     def _apply_ops(self, ops: list) -> None:
         if ops:

@@ -18,6 +18,7 @@ import torch
 from keyserve.core.block_manager import BlockCopy
 from keyserve.core.kv_policy import KVBudget
 from keyserve.core.sampling_params import SamplingParams
+from keyserve.core.sequence import FinishReason
 
 
 @dataclass
@@ -133,7 +134,9 @@ class StepInput:
 
 @dataclass
 class StepOutput:
-    """Only the driver rank (rank 0) fills it; other shards return an empty one."""
+    """The one answer to a ``StepInput``. The model side fills it (only the driver rank, rank
+    0; other shards return an empty one); the engine's stop checks then make the copy the KV
+    core commits: ``tokens`` cut at each stop, ``finished`` set, ``num_accepted`` kept."""
 
     tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> emitted tokens
     logprobs: dict[int, list[float]] = field(default_factory=dict)  # seq_id -> their logprobs
@@ -144,6 +147,8 @@ class StepOutput:
     # seq_id -> why: sequences this step could not run or sample (their request's own content);
     # they produced nothing and their requests are failed alone. Empty in a normal step.
     failed: dict[int, str] = field(default_factory=dict)
+    # seq_id -> why it finished this step (the engine's stop checks; for the core's commit)
+    finished: dict[int, FinishReason] = field(default_factory=dict)
 
 
 def describe_failure(what: str, error: BaseException) -> str:
