@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="threads for every engine and the bandwidth read")
     ap.add_argument("--max-load", type=float, default=1.5, help="drop rounds with a 1-min load average above this")
-    ap.add_argument("--precisions", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--precisions", nargs="+", default=None, choices=["float32", "bfloat16"],
+                    help="keyserve / transformers precisions (default: both; float32 with --quick)")
     ap.add_argument("--llama-half", default="BF16", choices=["BF16", "F16"],
                     help="llama.cpp's 16-bit GGUF compared with keyserve bfloat16")
     ap.add_argument("--decode-tokens", type=int, default=128)
@@ -68,14 +69,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="transformers' padded generate: batch sizes tried (the best is reported)")
     ap.add_argument("--skip-many", action="store_true", help="single-stream rounds only")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 1 round, 32 decode / 256 prefill tokens, 8 short requests, float32 only")
+                    help="smoke run: 1 round, 32 decode / 256 prefill tokens, 8 short requests")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.decode_tokens, args.prefill_tokens = 1, 32, 256
         args.num_requests, args.prompt_range, args.output_range = 8, [50, 300], [16, 64]
         args.concurrency, args.budget_s, args.hf_batch_sizes = 8, 300, [8]
-        args.precisions = ["float32"]
+    if args.precisions is None:
+        args.precisions = ["float32"] if args.quick else ["float32", "bfloat16"]
     return args
 
 
@@ -200,7 +202,8 @@ def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
     return table(headers, rows)
 
 
-def single_table(summary: dict, items: list[tuple[str, str]], bytes_pt: dict[str, int], agree: dict[str, str]) -> str:
+def single_table(summary: dict, items: list[tuple[str, str]], bytes_pt: dict[str, int], agree: dict[str, str],
+                 reference: tuple[str, str] = REFERENCE) -> str:
     rows = []
     for engine, precision in items:
         s = summary.get(contender(engine, precision))
@@ -210,7 +213,7 @@ def single_table(summary: dict, items: list[tuple[str, str]], bytes_pt: dict[str
                      s["prefill"].text(0), f"{bytes_pt.get(precision, 0) / 1e6:.0f}",
                      agree.get(contender(engine, precision), "—")])
     return markdown_table(["engine, precision", "decode tok/s (batch 1)", "decode ÷ bandwidth bound", "prefill tok/s",
-                           "weights read per token (MB)", f"greedy tokens equal to {contender(*REFERENCE)}"], rows)
+                           "weights read per token (MB)", f"greedy tokens equal to {contender(*reference)}"], rows)
 
 
 def many_table(many: dict[str, dict]) -> str:
@@ -276,10 +279,17 @@ def plot(summary: dict, items: list[tuple[str, str]], bounds: dict[str, float], 
     plt.close(fig)
 
 
+def reference_of(rounds: list[Round]) -> tuple[str, str]:
+    """The oracle for greedy tokens: transformers float32, else transformers in what ran."""
+    ran = [(res["engine"], res["precision"]) for r in rounds for res in r.results]
+    return REFERENCE if REFERENCE in ran else next((c for c in ran if c[0] == "transformers"), REFERENCE)
+
+
 def agreement_texts(rounds: list[Round]) -> dict[str, str]:
     """Per contender: how many of its first greedy tokens equal the reference's, in its first round."""
+    reference = reference_of(rounds)
     ref = next((res["first_tokens"] for r in rounds for res in r.results
-                if (res["engine"], res["precision"]) == REFERENCE), None)
+                if (res["engine"], res["precision"]) == reference), None)
     out = {}
     for r in rounds[:1]:
         for res in r.results:
@@ -342,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
 
     items = contenders(args)
     agree = agreement_texts(rounds)
-    tables = {"single": single_table(summary, items, bytes_pt, agree), "many": many_table(many) if many else "",
+    tables = {"single": single_table(summary, items, bytes_pt, agree, reference_of(rounds)), "many": many_table(many) if many else "",
               "targets": targets_table(targets)}
     print(f"\nbandwidth {bw.text()} GB/s; bounds " + ", ".join(f"{k} {v:.1f}" for k, v in bounds.items()))
     for t in tables.values():

@@ -144,6 +144,7 @@ def test_quick_is_a_small_float32_smoke_run() -> None:
                                 ("llama.cpp", "Q4_1")]
     assert contenders(parse_args([]))[3:6] == [("keyserve", "bfloat16"), ("transformers", "bfloat16"),
                                                ("llama.cpp", "BF16")]
+    assert parse_args(["--quick", "--precisions", "bfloat16"]).precisions == ["bfloat16"]
     full = parse_args(["--llama-half", "F16"])
     assert (full.rounds, full.max_load, full.threads, full.num_requests) == (3, 1.5, 2, 64)
     assert ("llama.cpp", "F16") in contenders(full) and ("keyserve", "bfloat16") in contenders(full)
@@ -176,3 +177,19 @@ def test_the_worker_runs_in_a_venv_without_keyserve() -> None:
     names = {a.name.split(".")[0] for n in top if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module.split(".")[0] for n in top if isinstance(n, ast.ImportFrom) and n.module}
     assert names <= set(sys.stdlib_module_names) | {"__future__"}, names
+
+
+def test_greedy_tokens_are_checked_against_transformers() -> None:
+    from bench.peer_bench import agreement_texts, reference_of
+
+    def r(engine: str, precision: str, toks: list[int]) -> dict:
+        return dict(res(engine, precision, 1.0, 1.0), first_tokens=toks)
+
+    both = [Round(0, 1.0, results=[r("keyserve", "float32", [1, 2, 3, 4]), r("transformers", "bfloat16", [1, 2, 0, 0]),
+                                   r("transformers", "float32", [1, 2, 3, 5])])]
+    assert reference_of(both) == ("transformers", "float32")
+    assert agreement_texts(both) == {"keyserve float32": "3/4", "transformers bfloat16": "2/4",
+                                     "transformers float32": "4/4"}
+    bf16 = [Round(0, 1.0, results=[r("llama.cpp", "BF16", [1, 2, 3]), r("transformers", "bfloat16", [1, 2, 3])])]
+    assert reference_of(bf16) == ("transformers", "bfloat16")
+    assert agreement_texts(bf16)["llama.cpp BF16"] == "3/3"
