@@ -7,10 +7,12 @@
  * 2-core AVX2 EPYC over SmolLM2-135M's float32 weights (bench/decode_bench.py, docs/engine.md
  * "Native CPU decode"): see the doc for the numbers that chose this layout.
  *
- * One x row (batch 1): one weight row at a time, eight FMA chains (ks_dot8). Several x rows:
- * four weight rows per pass against two x rows at a time (eight chains), the four weight rows
- * re-read from L1 for the next pair -- so every weight byte comes from memory once whatever
- * the row count.
+ * One x row (batch 1): one weight row at a time, eight FMA chains (ks_dot8). 2-8 x rows: one
+ * weight row at a time against up to four x rows, two chains each (ks_row_xs), the row re-read
+ * from L1 for the next four. 9-16 x rows: four weight rows against two x rows at a time
+ * (ks_block4: fewer loads per FMA, which starts to matter as the product nears compute-bound).
+ * Every weight byte comes from memory once whatever the row count; each shape was chosen by
+ * timing it against the others on the 2-core EPYC (docs/engine.md, "Native CPU decode").
  * bfloat16 weights are widened in registers (zero-extend to 32 bits, shift left by 16: exact)
  * and accumulated in float32, as torch's bf16 GEMV does. AVX2+FMA where the compiler targets
  * it (-march=native), a portable scalar loop otherwise.
@@ -125,6 +127,39 @@ static inline float ks_dot8(const float *x, int in, const void *w, int wdt, int6
     return s;
 }
 
+/* One weight row against x rows r0..r0+M-1 (M <= 4, constant per call site), two FMA chains
+ * per x row: the weight row streams once, the x rows come from L1. */
+static inline __attribute__((always_inline)) void ks_row_xs(
+    const float *x, int ldx, int in, const void *w, int wdt, int64_t base, int r0, int M,
+    float *y, int ldy, int o) {
+    __m256 a[4][2];
+    for (int r = 0; r < M; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= in; i += 16) {
+        __m256 w0 = ks_load8(w, wdt, base + i), w1 = ks_load8(w, wdt, base + i + 8);
+        for (int r = 0; r < M; r++) {
+            const float *xr = x + (int64_t)(r0 + r) * ldx + i;
+            a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, a[r][1]);
+        }
+    }
+    for (; i + 8 <= in; i += 8) {
+        __m256 w0 = ks_load8(w, wdt, base + i);
+        for (int r = 0; r < M; r++)
+            a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (int64_t)(r0 + r) * ldx + i), w0, a[r][0]);
+    }
+    for (int r = 0; r < M; r++) {
+        __m256 t = _mm256_add_ps(a[r][0], a[r][1]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        h = _mm_hadd_ps(h, h);
+        h = _mm_hadd_ps(h, h);
+        float s = _mm_cvtss_f32(h);
+        const float *xr = x + (int64_t)(r0 + r) * ldx;
+        for (int k = i; k < in; k++) s += xr[k] * ks_w_at(w, wdt, base + k);
+        y[(int64_t)(r0 + r) * ldy + o] = s;
+    }
+}
+
 /* One weight row against x rows (the out % 4 tail). */
 static inline void ks_row1(const float *x, int m, int ldx, int in, int in8, const void *w,
                            int wdt, int o, float *y, int ldy) {
@@ -152,6 +187,20 @@ static inline void ks_gemv_rows(const float *x, int m, int ldx, int in, const vo
     const int in8 = in & ~7;
     if (m == 1) {
         for (int o = o0; o < o1; o++) y[o] = ks_dot8(x, in, w, wdt, (int64_t)o * in);
+        return;
+    }
+    if (m <= 8) {  /* one weight row at a time against groups of up to four x rows */
+        for (int o = o0; o < o1; o++) {
+            const int64_t base = (int64_t)o * in;
+            int r0 = 0;
+            for (; r0 + 4 <= m; r0 += 4) ks_row_xs(x, ldx, in, w, wdt, base, r0, 4, y, ldy, o);
+            switch (m - r0) {
+                case 1: ks_row_xs(x, ldx, in, w, wdt, base, r0, 1, y, ldy, o); break;
+                case 2: ks_row_xs(x, ldx, in, w, wdt, base, r0, 2, y, ldy, o); break;
+                case 3: ks_row_xs(x, ldx, in, w, wdt, base, r0, 3, y, ldy, o); break;
+                default: break;
+            }
+        }
         return;
     }
     int o = o0;
