@@ -139,25 +139,33 @@ class KVCore:
         flight = _InFlight(plan, {}, set(), {})
         items = []
         infos: dict[int, SeqInfo] = {}
+        known = self.known
         for scheduled in plan.scheduled:
             seq = scheduled.seq
-            fields: dict[str, object] = {}
-            forced = self.forced.get(seq.seq_id)
-            if scheduled.completes and forced is not None:
-                fields["forced_token_id"] = forced[len(seq.output_token_ids)]
-                flight.forced.add(seq.seq_id)
-            elif scheduled.completes:
+            seq_id, outputs = seq.seq_id, seq.output_token_ids
+            completes = scheduled.completes
+            forced = self.forced.get(seq_id) if self.forced else None
+            targets = None
+            if completes and forced is not None:
+                item = _item(scheduled, forced_token_id=forced[len(outputs)])
+                flight.forced.add(seq_id)
+            elif completes:
                 targets = [seq]
-                if seq.sample_index == 0 and not seq.output_token_ids:
-                    targets += self.pending.get(seq.seq_id, [])
-                flight.targets[seq.seq_id] = targets
-                fields["sample_seq_ids"] = [t.seq_id for t in targets]
-            items.append(_item(scheduled, **fields))
-            flight.bases[seq.seq_id] = len(seq.output_token_ids)  # siblings: none (not in bases)
-            for s in [seq] + flight.targets.get(seq.seq_id, []):
-                if s.seq_id not in self.known:
+                if seq.sample_index == 0 and not outputs:
+                    targets += self.pending.get(seq_id, [])
+                flight.targets[seq_id] = targets
+                item = _item(scheduled, sample_seq_ids=[t.seq_id for t in targets])
+            else:
+                item = _item(scheduled)
+            items.append(item)
+            flight.bases[seq_id] = len(outputs)  # siblings: none (not in bases)
+            if seq_id not in known:
+                infos[seq_id] = SeqInfo(seq.params, seq.sample_index)
+                known.add(seq_id)
+            for s in targets[1:] if targets else ():
+                if s.seq_id not in known:
                     infos[s.seq_id] = SeqInfo(s.params, s.sample_index)
-                    self.known.add(s.seq_id)
+                    known.add(s.seq_id)
         self.inflight = flight
         step = StepInput(items, len(plan.decode), list(plan.blocks_to_copy), infos, step=self.num_steps)
         self.num_steps += 1
