@@ -128,19 +128,21 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if self._wait_for_whole(seq.num_uncomputed_tokens, n):
+            uncomputed = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens
+            n = min(uncomputed, budget)
+            if n < uncomputed and self._wait_for_whole(uncomputed, n):
                 break
             if n <= 0:
                 i += 1
                 continue
             # A decoding sequence may speculate: reserve slots for its draft tokens too.
-            ahead = min(seq.num_lookahead, budget - n) if n == seq.num_uncomputed_tokens == 1 else 0
+            ahead = min(seq.num_lookahead, budget - n) if n == uncomputed == 1 and seq.num_lookahead else 0
             while True:
                 copies = self.block_manager.allocate_slots(seq, n + ahead, speculative=ahead > 0)
                 if copies is not None:
-                    plan.blocks_to_copy += copies
-                    scheduled.append(ScheduledSeq(seq, n, max(ahead, 0)))
+                    if copies:
+                        plan.blocks_to_copy += copies
+                    scheduled.append(ScheduledSeq(seq, n, ahead if ahead > 0 else 0))
                     budget -= n + max(ahead, 0)
                     i += 1
                     break
@@ -159,6 +161,8 @@ class Scheduler:
         return plan
 
     def _admit(self, plan: StepPlan, scheduled: list[ScheduledSeq], budget: int) -> int:
+        if not self.waiting:  # (a decode step: no per-sequence seat count)
+            return budget
         bm = self.block_manager
         # Seats taken include the siblings that running first samples will still fork.
         seats = sum(_seats(s) for s in self.running)

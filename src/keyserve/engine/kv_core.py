@@ -202,15 +202,22 @@ class KVCore:
             bm.truncate(seq, seq.kv_slots_for(seq.num_computed_tokens))  # drop rejected slots
             if not self._apply(seq, flight.bases[seq.seq_id], out, ops):
                 bm.commit_computed(seq)
-        forced = [it.seq for it in live if it.seq.seq_id in flight.forced]
-        for seq in forced:
-            self._apply(seq, flight.bases[seq.seq_id], out, ops)
-        plan_prompt_compaction(bm, forced, ops, self.prefix_hook)
+        if flight.forced:
+            forced = [it.seq for it in live if it.seq.seq_id in flight.forced]
+            for seq in forced:
+                self._apply(seq, flight.bases[seq.seq_id], out, ops)
+            plan_prompt_compaction(bm, forced, ops, self.prefix_hook)
         sampled: list[Sequence] = []
         for item in live:
             source = item.seq
             targets = flight.targets.get(source.seq_id)
             if targets is None or source.seq_id in accepted:
+                continue
+            if len(targets) == 1:  # one sample: no siblings to fork
+                if self.pending:
+                    self.pending.pop(source.seq_id, None)
+                self._apply(source, flight.bases[source.seq_id], out, ops)
+                sampled.append(source)
                 continue
             # Siblings fork from the computed prompt before any token can finish (and free) it.
             for target in targets[1:]:

@@ -324,11 +324,12 @@ class LLMEngine:
         # tokens cut at its stop, which sequences finished, drafts accepted.
         kept = StepOutput()
         for item in items:
-            if not (item.verifies or item.forced_token_id is not None or item.sample_seq_ids):
+            verifies = bool(item.draft_token_ids)
+            if not (verifies or item.forced_token_id is not None or item.sample_seq_ids):
                 continue  # a prompt chunk that does not complete the prompt
-            req = self._seq_owner[item.seq_id]
+            req = owner[item.seq_id]
             try:
-                if item.verifies:
+                if verifies:
                     accepted = out.num_accepted[item.seq_id]
                     if self.speculative is not None:
                         self.speculative.record(req.request_id, item.seq_id, len(item.draft_token_ids), accepted)
@@ -473,7 +474,10 @@ class LLMEngine:
                 seq.num_computed_tokens = st.num_computed_tokens
 
     def _append_token(self, req: _Request, seq: Sequence, token: int, logprob: float | None, now: float) -> None:
-        seq.append_token(token, logprob)
+        outputs = seq.output_token_ids
+        outputs.append(token)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
         if req.first_token_time is None:
             req.first_token_time = now
         detok = req.detoks[seq.seq_id]
@@ -484,7 +488,7 @@ class LLMEngine:
             reason = FinishReason.STOP
         elif token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             reason = FinishReason.STOP
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif len(outputs) >= p.max_tokens or len(seq.prompt_token_ids) + len(outputs) >= self.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:
             self._finish(seq, reason)
@@ -519,8 +523,7 @@ class LLMEngine:
         # Full statistics on the last output; in flight only the token counts (the rest --
         # KV, speculation, latency sums over every sample -- would cost every step).
         stats = self._stats(req) if finished else RequestStats(
-            prompt_tokens=len(req.prompt_token_ids),
-            generated_tokens=sum(len(s.output_token_ids) for s in req.seqs),
+            len(req.prompt_token_ids), sum(len(o.token_ids) for o in outs)
         )
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, stats)
 

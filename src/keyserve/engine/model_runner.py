@@ -143,8 +143,8 @@ class ModelRunner:
         block, dev = self.block_size, self.device
         n_dec = step.num_decode
         rest = step.items[n_dec:]
-        spare_verify = [it for it in rest if it.verifies and it.budget is not None]
-        chunks = [it for it in rest if not (it.verifies and it.budget is not None)]
+        spare_verify = [it for it in rest if it.draft_token_ids and it.budget is not None]
+        chunks = [it for it in rest if not (it.draft_token_ids and it.budget is not None)]
         dec = AttentionRows()  # one query token each
         pre = AttentionRows()  # chunks of one or more query tokens
         planner = SlotPlanner(self.budget, self.seq_infos, block)
@@ -155,7 +155,16 @@ class ModelRunner:
         slots: list[list[int] | torch.Tensor] = []
         last_index: dict[int, int] = {}
         for index, item in enumerate(step.items[:n_dec] + spare_verify + chunks):
-            start, n = item.start, item.num_query_tokens
+            start = item.start
+            if index < n_dec and item.budget is None:  # a plain decode row (most rows)
+                table = item.block_table
+                dec.add(table, start + 1, 1)
+                slots.append([table[start // block] * block + start % block])
+                last_index[item.seq_id] = len(ids)
+                ids.append(item.token_ids[0])
+                positions.append(start)
+                continue
+            n = item.num_query_tokens
             verifies = n_dec <= index < n_dec + len(spare_verify)
             rows = dec if index < n_dec or verifies else pre
             if item.budget is None:
@@ -264,9 +273,9 @@ class ModelRunner:
         if inputs is None:
             return out
         last = inputs.last_token_index
-        verify = [it for it in items if it.verifies]
+        verify = [it for it in items if it.draft_token_ids]
         forced = [it for it in items if it.forced_token_id is not None]
-        sampled = [it for it in items if it.sample_seq_ids and not it.verifies and it.forced_token_id is None]
+        sampled = [it for it in items if it.sample_seq_ids and not it.draft_token_ids and it.forced_token_id is None]
         targets = [t for it in sampled for t in it.sample_seq_ids]
         rows = [last[it.seq_id] for it in sampled for _ in it.sample_seq_ids]
         raw: list[tuple[StepItem, int, int]] = []  # (item, first row in `rows`, count)
