@@ -6,8 +6,8 @@ and at the same thread count:
 
 - the read bandwidth: one streaming pass over a buffer the size of the float32 weights
   (``keyserve_read_stream``, the threads each reading one contiguous half);
-- the GEMV floor: every weight matrix once through the native row-major GEMV (no norms,
-  attention, barriers or Python);
+- the GEMV pass: every weight matrix once through the native row-major GEMV, one Python call
+  (and one OpenMP fork) per matrix -- no norms or attention, but 121 calls' overhead;
 - decode tok/s of the model forward plus the LM head over the one sampled row, float32 and
   bfloat16, three ways: "before" (the torch layers as they were before the native step:
   float32 weights column-major through skinny_linear.c, bf16 through torch's GEMV), "torch
@@ -197,7 +197,7 @@ def main() -> None:
                 f"{t_nat * rows / bound:.0%}",
             ])
     table = markdown_table(
-        ["dtype", "rows", "weights MB", "read GB/s", "bound tok/s (1 row)", "GEMV-only share of bandwidth",
+        ["dtype", "rows", "weights MB", "read GB/s", "bound tok/s (1 row)", "GEMV pass, share of bandwidth",
          "before tok/s per seq", "torch layers tok/s per seq", "native tok/s per seq",
          "native / before", "native share of bound"],
         rows_out,
