@@ -8,19 +8,19 @@ import pytest
 from transformers import AutoTokenizer
 
 from keyserve.engine.detokenizer import IncrementalDetokenizer
-from conftest import STORIES
 from keyserve.model.paths import DEFAULT_MODEL_NAME, models_dir
 
 # Metaspace + byte fallback (stories260K's Llama tokenizer) is the hard case: partial UTF-8,
 # the leading space dropped at the start. The default model's byte-level BPE where converted.
-TOKENIZERS = {"stories260k": STORIES}
+NAMES = ["stories260k"]
 if (models_dir() / DEFAULT_MODEL_NAME / "tokenizer.json").exists():
-    TOKENIZERS["smollm2"] = models_dir() / DEFAULT_MODEL_NAME
+    NAMES.append("smollm2")
 
 
-@pytest.fixture(scope="module", params=sorted(TOKENIZERS))
-def tokenizer(request):
-    return AutoTokenizer.from_pretrained(TOKENIZERS[request.param])
+@pytest.fixture(scope="module", params=NAMES)
+def tokenizer(request, stories_path):
+    path = stories_path if request.param == "stories260k" else models_dir() / DEFAULT_MODEL_NAME
+    return AutoTokenizer.from_pretrained(path)
 
 
 def _streams(tokenizer, ids: list[int]) -> tuple[str, list[str]]:
