@@ -27,7 +27,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_decode.c", "skinny_linear.c", "gemv.c", "decode_stack.c")
-HEADERS = ("gemv.h",)  # included by the sources: part of the cache key
+HEADERS = ("gemv.h", "vecmath.h")  # included by the sources: part of the cache key
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
 
@@ -93,6 +93,15 @@ def library() -> ctypes.CDLL | None:
                     "pure-torch path", detail)
         return None
     _declare(lib)
+    return lib
+
+
+def require_library() -> ctypes.CDLL:
+    """The compiled kernels, for a caller that was told they apply (``supports``); raises
+    where they cannot be built."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("native CPU kernels are unavailable (see keyserve.kernels.native)")
     return lib
 
 

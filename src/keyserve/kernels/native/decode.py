@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from keyserve.kernels.native import library
+from keyserve.kernels.native import library, require_library
 
 _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Below this many (sequence, kv-head, slot) rows one thread is faster: waking the OpenMP team
@@ -49,9 +49,7 @@ def paged_decode_attention_native(
     num_heads, head_dim] in query's dtype, scores [num_seqs, num_kv_heads, max_context] float32
     or None)``. Gumbel noise is drawn from torch's generator (one 63-bit seed per call), so
     ``torch.manual_seed`` makes it reproducible."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("native CPU kernels are unavailable (see keyserve.kernels.native)")
+    lib = require_library()
     if score_mode not in (None, "softmax", "gumbel"):
         raise ValueError(f"score_mode: expected None, 'softmax' or 'gumbel', got {score_mode!r}")
     if score_mode == "gumbel" and tau is None:

@@ -29,11 +29,7 @@
 #include <string.h>
 
 #include "gemv.h"
-
-#ifdef KEYSERVE_LIBMVEC
-#pragma omp declare simd notinbranch
-extern float expf(float);
-#endif
+#include "vecmath.h"
 
 /* Per-layer pointers (uint64 each, 0 = absent), in this order. */
 enum { P_QKV_W, P_QKV_B, P_O_W, P_O_B, P_GU_W, P_GU_B, P_DOWN_W, P_DOWN_B, P_IN_NORM, P_POST_NORM,
@@ -136,18 +132,7 @@ static void attend(const Dims *c, const float *q, const void *kc, const void *vc
     }
     for (int j = 0; j < group; j++) {
         float *x = logits + (int64_t)j * n;
-        float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-        for (int i = 0; i < n; i++) mx = x[i] > mx ? x[i] : mx;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int i = 0; i < n; i++) {
-            x[i] = expf(x[i] - mx);
-            sum += x[i];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int i = 0; i < n; i++) x[i] *= inv;
+        softmax_into(x, x, n);
     }
     for (int t = lo; t < len; t++) {
         load_row(vc, c->cdt, cache_row(table, t, c->block_size, c->hkv, g), d, row);

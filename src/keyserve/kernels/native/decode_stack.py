@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from keyserve.kernels.metadata import AttentionMetadata
-from keyserve.kernels.native import library
+from keyserve.kernels.native import require_library
 from keyserve.kernels.native.gemv import MAX_ROWS, WEIGHT_DTYPES
 
 _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -147,9 +147,7 @@ class NativeDecodeStack:
     ) -> torch.Tensor | None:  # [m, hidden] final hidden states (after the last norm), model dtype
         """One decode step through every layer; writes this step's K/V into the caches. None
         (nothing done) where the caches are not float32/bf16 contiguous CPU tensors."""
-        lib = library()
-        if lib is None:
-            raise RuntimeError("native CPU kernels are unavailable (see keyserve.kernels.native)")
+        lib = require_library()
         if not self._bind_caches(kv_caches):
             return None
         if sliding is not None and sliding != self._sliding:

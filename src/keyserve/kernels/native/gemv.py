@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from keyserve.kernels.native import library
+from keyserve.kernels.native import library, require_library
 
 # Rows up to which one pass over the weights (every row against every weight row while it is
 # in cache) beats the BLAS: decode batches, speculative verification (B sequences x K + 1
@@ -42,9 +42,7 @@ def gemv_float(
     """``x @ weight.T (+ bias)`` reading every weight once for all rows, accumulated in float32.
     With bf16 weights the result is rounded to bf16 once (what bf16 ``F.linear`` returns) and
     handed back widened, so the LM head gets its float32 logits without another pass."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("native CPU kernels are unavailable (see keyserve.kernels.native)")
+    lib = require_library()
     m, n_in = x.shape
     n_out = weight.shape[0]
     if weight.shape[1] != n_in:
@@ -77,9 +75,7 @@ def read_stream_gbps(buf: torch.Tensor, threads: int) -> tuple[float, float]:  #
     bandwidth a weight stream can reach at that thread count."""
     import time
 
-    lib = library()
-    if lib is None:
-        raise RuntimeError("native CPU kernels are unavailable (see keyserve.kernels.native)")
+    lib = require_library()
     t = time.perf_counter()
     lib.keyserve_read_stream(buf.data_ptr(), buf.numel(), threads)
     dt = time.perf_counter() - t

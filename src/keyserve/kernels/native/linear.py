@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from keyserve.kernels.native import library
+from keyserve.kernels.native import library, require_library
 
 # Rows up to which the native kernel matches or beats the BLAS on column-major weights; beyond
 # it the product is compute-bound enough for the BLAS's GEMM. `python bench/linear_bench.py`
@@ -40,9 +40,7 @@ def skinny_linear(
     weight: torch.Tensor,  # [out, in] float32, stored column-major
 ) -> torch.Tensor:  # [m, out] float32
     """``x @ weight.T`` reading the weights once for all ``m`` rows."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("native CPU kernels are unavailable (see keyserve.kernels.native)")
+    lib = require_library()
     m, n_in = x.shape
     n_out = weight.shape[0]
     if weight.shape[1] != n_in:

@@ -20,22 +20,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gemv.h"
+#include "vecmath.h"
+
 #define TINY 1e-20f
-
-#ifdef KEYSERVE_LIBMVEC
-/* glibc's vector math (libmvec): lets the simd loops below call 8-wide expf/logf. */
-#pragma omp declare simd notinbranch
-extern float expf(float);
-#pragma omp declare simd notinbranch
-extern float logf(float);
-#endif
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /* splitmix64: a counter-based generator, so every (seq, head, slot) draws independently of
  * thread scheduling and the result is reproducible from the seed. */
@@ -56,23 +44,6 @@ static inline int64_t cache_row(const int32_t *table, int t, int block_size, int
                                 int kv_head) {
     int64_t block = table[t / block_size];
     return (block * block_size + t % block_size) * num_kv_heads + kv_head;
-}
-
-/* Softmax of x[0:n] into p[0:n] (p may alias x). The simd loops let gcc call glibc's vector
- * expf (libmvec; -fno-math-errno allows it). */
-static void softmax_into(const float *x, float *p, int n) {
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int i = 0; i < n; i++) {
-        p[i] = expf(x[i] - m);
-        sum += p[i];
-    }
-    const float inv = 1.0f / sum;
-#pragma omp simd
-    for (int i = 0; i < n; i++) p[i] *= inv;
 }
 
 /* noisy[i] = (logits[i] + zeta_i) / tau with zeta = -log(-log U): U from `uniforms` (tests) or
@@ -183,7 +154,7 @@ static inline const float *row_f32(const float *src, float *buf, int n) {
 
 static inline const float *row_bf16(const uint16_t *src, float *buf, int n) {
 #pragma omp simd
-    for (int d = 0; d < n; d++) buf[d] = bf16_to_f32(src[d]);
+    for (int d = 0; d < n; d++) buf[d] = ks_bf16_to_f32(src[d]);
     return buf;
 }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from keyserve.kernels.native import library
+from keyserve.kernels.native import library, require_library
 
 
 def supports(
@@ -29,9 +29,7 @@ def write_kv_native(
     slot_mapping: torch.Tensor,  # [num_tokens] or [num_tokens, num_kv_heads] int; < 0 = skip
 ) -> None:
     """Same contract as ``reference.write_kv_reference``; slots must be < the cache's slots."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("native CPU kernels are unavailable (see keyserve.kernels.native)")
+    lib = require_library()
     num_tokens, num_kv_heads, head_dim = key.shape
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     k = key.to(k_cache.dtype).contiguous()
