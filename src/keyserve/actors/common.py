@@ -46,3 +46,11 @@ def alive(handles: list, timeout_s: float = 10.0) -> bool:
         return True
     except RayError:  # died, killed for memory, unreachable, or too slow to answer
         return False
+
+
+def kill_actor(actor: object) -> None:
+    """Kill ``actor`` for good (no restart); one already gone is fine."""
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 — already gone
+        pass

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from keyserve.actors.common import ACTOR_LOST, new_incarnation
+from keyserve.actors.common import ACTOR_LOST, kill_actor, new_incarnation
 from keyserve.config import ParallelConfig
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import Sequence
@@ -202,7 +202,4 @@ class RemoteDrafter:
         return ray.get(self.actor.stats.remote())
 
     def shutdown(self) -> None:
-        try:
-            ray.kill(self.actor, no_restart=True)
-        except Exception:  # noqa: BLE001
-            pass
+        kill_actor(self.actor)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ray
 
-from keyserve.actors.common import ACTOR_LOST, CoreLost, new_incarnation
+from keyserve.actors.common import ACTOR_LOST, CoreLost, kill_actor, new_incarnation
 from keyserve.config import ParallelConfig
 from keyserve.core.sequence import FinishReason, Sequence
 from keyserve.engine.build import KVCoreArgs, build_core
@@ -179,7 +179,4 @@ class RemoteCore:
         return ray.get(self.actor.check_consistent.remote())
 
     def shutdown(self) -> None:
-        try:
-            ray.kill(self.actor, no_restart=True)
-        except Exception:  # noqa: BLE001
-            pass
+        kill_actor(self.actor)

@@ -14,7 +14,7 @@ from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from keyserve.actors.common import ACTOR_LOST, ShardLost, alive
+from keyserve.actors.common import ACTOR_LOST, ShardLost, alive, kill_actor
 from keyserve.actors.target_shard_actor import TargetShardActor, ShardArgs, check_tp_fits
 from keyserve.config import ParallelConfig
 from keyserve.engine.step_input import RunnerOp, StepInput, StepOutput
@@ -117,10 +117,7 @@ class TargetGroup:
 
     def _kill(self) -> None:
         for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:  # noqa: BLE001 — already gone
-                pass
+            kill_actor(w)
         self.workers = []
 
     def shutdown(self) -> None:
