@@ -474,10 +474,8 @@ class LLMEngine:
                 seq.num_computed_tokens = st.num_computed_tokens
 
     def _append_token(self, req: _Request, seq: Sequence, token: int, logprob: float | None, now: float) -> None:
+        seq.append_token(token, logprob)
         outputs = seq.output_token_ids
-        outputs.append(token)
-        if logprob is not None:
-            seq.output_logprobs.append(logprob)
         if req.first_token_time is None:
             req.first_token_time = now
         detok = req.detoks[seq.seq_id]
