@@ -101,18 +101,35 @@ def _cached_kv(llm: LLM, seq, num: int, draft: bool = False) -> list[torch.Tenso
 
 
 def test_rollback_leaves_exactly_the_accepted_kv(speculative: LLM, stories_path: str, draft_dir: str) -> None:
+    """After each step the request's acceptance counts equal what its emitted tokens imply (a
+    verification of K drafts emits accepted + 1 tokens), the run has both acceptances and
+    rejections, and the block table holds exactly the blocks of the computed tokens (rejected
+    slots dropped). Mutations caught: ``llm_engine`` recording ``len(item.draft_token_ids)``
+    as accepted (the counts), and dropping ``bm.truncate`` after a verification in
+    ``KVCore`` (the block table one step later)."""
     engine = speculative.engine
     rid = engine.add_request("lily and ben went to the park", SamplingParams(max_tokens=40, temperature=0.8, seed=5,
                                                                              ignore_eos=True))
-    for _ in range(6):
-        engine.step()
     seq = engine.requests[rid].seqs[0]
+    emitted = []
+    for _ in range(6):
+        before = len(seq.output_token_ids)
+        engine.step()
+        emitted.append(len(seq.output_token_ids) - before)
+        assert len(seq.block_table) == -(-seq.num_computed_tokens // 16)
     mirror = engine.speculative.drafter.mirrors[seq.seq_id]
-    assert engine.speculative.request_stats[rid].num_rejections > 0 or engine.speculative.request_stats[rid].num_accepted_tokens > 0
+    k = 4  # every step after the prompt verifies 4 drafts (max_tokens leaves room)
+    verified = emitted[1:]  # the first step is the prompt's forward: one sampled token
+    assert emitted[0] == 1 and all(1 <= e <= k + 1 for e in verified)
+    stats = engine.speculative.request_stats[rid]
+    assert stats.num_steps == len(verified)
+    assert stats.num_draft_tokens == k * len(verified)
+    assert stats.num_accepted_tokens == sum(e - 1 for e in verified)
+    assert stats.num_rejections == sum(e - 1 < k for e in verified)
+    assert stats.num_accepted_tokens > 0 and stats.num_rejections > 0  # both paths ran
     n_target, n_draft = seq.num_computed_tokens, mirror.num_computed_tokens
     got_target = _cached_kv(speculative, seq, n_target)
     got_draft = _cached_kv(speculative, mirror, n_draft, draft=True)
-    assert len(seq.block_table) == -(-max(n_target, 1) // 16) or len(seq.block_table) == -(-(n_target + 1) // 16)
     for fresh_path, tokens, got in ((stories_path, seq.token_ids[:n_target], got_target),
                                      (draft_dir, mirror.token_ids[:n_draft], got_draft)):
         fresh = LLM(fresh_path, num_blocks=64, enable_prefix_caching=False)
