@@ -1,6 +1,7 @@
 """The native few-row product over row-major weights (``gemv.c``) against a float64 product:
-float32 and bfloat16 weights, 1..16 rows, widths that leave tails (in % 8, out % 4), bias,
-one and two threads, and the dispatch in ``model.matmul.linear``."""
+float32 and bfloat16 weights, 1..16 rows, widths that leave tails (in % 8, out % 4; for the
+single-row bf16 pair kernel in % 64 == 32 and widths it leaves to ks_dot8), bias, one and two
+threads, and the dispatch in ``model.matmul.linear``."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def test_float32_equals_exact_product(rows: int, out: int, n_in: int, threads: i
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, MAX_ROWS])
-@pytest.mark.parametrize("out,n_in", [(576, 576), (37, 70), (4, 16)])
+@pytest.mark.parametrize("out,n_in", [(576, 576), (37, 70), (4, 16), (40, 96), (9, 1536)])
 def test_bfloat16_is_the_float32_product_rounded_once(rows: int, out: int, n_in: int) -> None:
     gen = torch.Generator().manual_seed(rows + out)
     w = torch.randn(out, n_in, generator=gen).bfloat16()
