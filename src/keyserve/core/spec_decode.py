@@ -21,7 +21,6 @@ from typing import NamedTuple
 import torch
 
 from keyserve.core.sampler import SamplingTensors, processed_probs
-from keyserve.core.sampling_params import SamplingParams
 
 PAD_TOKEN_ID = -1
 
@@ -63,7 +62,8 @@ def rejection_sample(
     rejection, position j, the next token is drawn from norm(max(0, q_j − p_j)) — or from q_j
     if that is all zeros, which happens only when q_j ≤ p_j everywhere, i.e. q_j == p_j — and
     after n acceptances the bonus is drawn from q_n. Each row uses one draw (one row of
-    ``draw_uniforms``), at the position where it stops.
+    ``draw_uniforms``), at the position where it stops. The residual is built only for the
+    rows that reject: the accept test needs p and q at the drafted tokens alone.
 
     Greedy (one-hot p and q) reduces to exact matching against the target's argmax: a draft
     token is accepted iff it is the target's argmax, and the recovered / bonus token is that
@@ -80,74 +80,114 @@ def rejection_sample(
         draw_uniforms = torch.rand(num_seqs, vocab, generator=generator, device=dev)
     if num_draft is None:
         num_draft = torch.full((num_seqs,), max_draft, dtype=torch.long, device=dev)
-    num_draft = num_draft.to(dev, torch.long)
-
-    steps = torch.arange(max_draft + 1, device=dev)  # [max_draft + 1]
     ids = draft_token_ids.to(dev, torch.long).clamp(min=0)  # [num_seqs, max_draft]
-    p_tok = draft_probs.float().gather(-1, ids[..., None]).squeeze(-1)  # [num_seqs, max_draft]
+    p_tok = draft_probs.to(dev).float().gather(-1, ids[..., None]).squeeze(-1)  # [num_seqs, max_draft]
     q_tok = target_probs[:, :max_draft].float().gather(-1, ids[..., None]).squeeze(-1)
-    in_range = steps[:max_draft] < num_draft[:, None]  # [num_seqs, max_draft]
-    accepted = (accept_uniforms.to(p_tok) * p_tok < q_tok) & in_range
-    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [num_seqs] first rejection
-
-    # The one distribution each row samples from: recovered at a rejection, bonus otherwise.
+    accepted = accept_uniforms.to(p_tok) * p_tok < q_tok  # [num_seqs, max_draft]
+    num_accepted = first_rejection(accepted, num_draft.to(dev, torch.long))
     rows = torch.arange(num_seqs, device=dev)
-    q_stop = target_probs[rows, num_accepted].float()  # [num_seqs, vocab]
-    is_bonus = num_accepted >= num_draft  # [num_seqs]
+    dist = target_probs[rows, num_accepted].float()  # [num_seqs, vocab] q where each row stops
     if max_draft > 0:
-        p_stop = draft_probs[rows, num_accepted.clamp(max=max_draft - 1)].float()
-        residual = (q_stop - p_stop).clamp(min=0.0)
-        use_q = is_bonus | (residual.sum(dim=-1) <= 0)
-        dist = torch.where(use_q[:, None], q_stop, residual)
-    else:
-        dist = q_stop
+        dist = with_residuals(dist, draft_probs.to(dev), num_accepted, num_accepted < num_draft.to(dev))
     token = exponential_race(dist, draw_uniforms)  # [num_seqs]
+    return RejectionOutput(emitted(ids, num_accepted, token), num_accepted)
 
-    padded = torch.cat([ids, ids.new_full((num_seqs, 1), PAD_TOKEN_ID)], dim=1)
+
+def first_rejection(
+    accepted: torch.Tensor,  # [num_seqs, max_draft] bool: each draft passes its own test
+    num_draft: torch.Tensor,  # [num_seqs] int64 drafts actually proposed
+) -> torch.Tensor:  # [num_seqs] int64 accepted drafts (the run before the first failure)
+    """Drafts count only up to the first one that fails (or the last one proposed)."""
+    steps = torch.arange(accepted.shape[1], device=accepted.device)
+    return (accepted & (steps < num_draft[:, None])).long().cumprod(dim=1).sum(dim=1)
+
+
+def with_residuals(
+    q_stop: torch.Tensor,  # [num_seqs, vocab] q at the position where each row stops
+    draft_probs: torch.Tensor,  # [num_seqs, max_draft, vocab] p
+    num_accepted: torch.Tensor,  # [num_seqs] int64 the stop position
+    rejects: torch.Tensor,  # [num_seqs] bool: the row stopped at a rejected draft
+) -> torch.Tensor:  # [num_seqs, vocab] what each row draws from
+    """norm(max(0, q − p)) in the rows that reject (q where that is all zero, i.e. q == p);
+    the others keep q. Only rejecting rows read p: a bonus row's draw is q's alone."""
+    index = rejects.nonzero().squeeze(-1)  # [num_rejects]
+    if index.numel() == 0:
+        return q_stop
+    q_rej = q_stop.index_select(0, index)  # [num_rejects, vocab]
+    p_rej = draft_probs[index, num_accepted.index_select(0, index)].float()  # [num_rejects, vocab]
+    residual = (q_rej - p_rej).clamp_(min=0.0)
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    return q_stop.index_copy(0, index, torch.where(empty, q_rej, residual))
+
+
+def emitted(
+    ids: torch.Tensor,  # [num_seqs, max_draft] int64 drafts
+    num_accepted: torch.Tensor,  # [num_seqs] int64
+    token: torch.Tensor,  # [num_seqs] int64 the recovered or bonus token
+) -> torch.Tensor:  # [num_seqs, max_draft + 1] int64, PAD_TOKEN_ID after the end
+    """Accepted drafts, then the one drawn token, then padding."""
+    steps = torch.arange(ids.shape[1] + 1, device=ids.device)
+    padded = torch.cat([ids, ids.new_full((ids.shape[0], 1), PAD_TOKEN_ID)], dim=1)
     j = num_accepted[:, None]
-    out = torch.where(steps < j, padded, torch.where(steps == j, token[:, None], PAD_TOKEN_ID))
-    return RejectionOutput(out, num_accepted)
+    return torch.where(steps < j, padded, torch.where(steps == j, token[:, None], PAD_TOKEN_ID))
+
+
+class VerifyOutput(NamedTuple):
+    output_token_ids: torch.Tensor  # [num_seqs, max_draft + 1] int64, PAD_TOKEN_ID after the end
+    num_accepted: torch.Tensor  # [num_seqs] int64
+    logprobs: torch.Tensor | None  # [num_seqs, max_draft + 1] raw-model logprobs of emitted tokens
 
 
 def verify_drafts(
-    logits: list[torch.Tensor],  # per sequence: [1 + num_draft, vocab] raw target logits
-    draft_probs: torch.Tensor,  # [num_seqs, max_draft, vocab] draft distributions p
-    draft_token_ids: list[list[int]],  # per sequence: its num_draft drafts
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-) -> list[tuple[list[int], list[float] | None, int]]:
-    """Modified rejection sampling for all speculating sequences at once; per sequence the
-    emitted tokens (accepted drafts + the recovered or bonus token), their logprobs when asked,
-    and the number of accepted drafts. Runs where the per-sequence generators live."""
-    b, k_max, vocab = draft_probs.shape
-    num_draft = torch.tensor([len(d) for d in draft_token_ids], dtype=torch.int64)
-    tokens_in = torch.zeros(b, k_max, dtype=torch.int64)
-    for row, drafts in enumerate(draft_token_ids):
-        tokens_in[row, : len(drafts)] = torch.tensor(drafts, dtype=torch.int64)
-    raw = torch.full((b, k_max + 1, vocab), float("-inf"))
-    raw[:, :, 0] = 0.0  # padding rows: a harmless valid distribution
-    for row, seq_logits in enumerate(logits):
-        raw[row, : seq_logits.shape[0]] = seq_logits.to(raw.device)
-    st = SamplingTensors.from_params(params).expand(k_max + 1)
-    target_probs = processed_probs(raw.view(b * (k_max + 1), vocab), st).view(b, k_max + 1, vocab)
-    accept_u = torch.empty(b, max(k_max, 1))
-    draw_u = torch.empty(b, vocab)
+    target_logits: torch.Tensor,  # [num_seqs, max_draft + 1, vocab] raw target logits
+    draft_token_ids: torch.Tensor,  # [num_seqs, max_draft] int64 (anything past num_draft)
+    num_draft: torch.Tensor,  # [num_seqs] int64
+    st: SamplingTensors,  # one row per sequence
+    generators: list[torch.Generator | None],  # per sequence (None: the global RNG)
+    draft_probs: torch.Tensor | None = None,  # [num_seqs, max_draft, vocab] p; None if all greedy
+    want_logprobs: bool = False,
+) -> VerifyOutput:
+    """Verify a whole step's drafts in one batched call on the logits' device, with no copy to
+    the host: the engine's hot path. An all-greedy batch only compares the drafts with the
+    target's argmax (no softmax, no randomness, no draft probabilities). Otherwise q is
+    processed (temperature, top-k, top-p, min-p) for every position at once and
+    ``rejection_sample`` decides; each sequence's uniforms come from its own generator, so a
+    seeded request draws the same whatever shares its batch."""
+    num_seqs, positions, vocab = target_logits.shape
+    max_draft = positions - 1
+    dev = target_logits.device
+    ids = draft_token_ids.to(dev, torch.long).clamp(min=0)  # [num_seqs, max_draft]
+    num_draft = num_draft.to(dev, torch.long)
+    if st.all_greedy:
+        argmax = target_logits.argmax(dim=-1)  # [num_seqs, max_draft + 1]
+        num_accepted = first_rejection(ids == argmax[:, :max_draft], num_draft)
+        token = argmax.gather(1, num_accepted[:, None]).squeeze(1)
+        out = emitted(ids, num_accepted, token)
+    else:
+        if draft_probs is None:
+            raise ValueError("sampled (temperature > 0) verification needs the draft probabilities")
+        q = processed_probs(target_logits.reshape(-1, vocab).float(), st.expand(positions))
+        accept_u = uniforms(num_seqs, max_draft, generators, dev)  # [num_seqs, max_draft]
+        draw_u = uniforms(num_seqs, vocab, generators, dev)  # [num_seqs, vocab]
+        out, num_accepted = rejection_sample(draft_probs, q.view(num_seqs, positions, vocab), ids,
+                                             accept_u, draw_u, num_draft=num_draft)
+    logprobs = None
+    if want_logprobs:
+        logprobs = torch.log_softmax(target_logits.float(), dim=-1).gather(-1, out.clamp(min=0)[..., None])
+        logprobs = logprobs.squeeze(-1)
+    return VerifyOutput(out, num_accepted, logprobs)
+
+
+def uniforms(
+    num_rows: int, width: int, generators: list[torch.Generator | None], device: torch.device | str
+) -> torch.Tensor:  # [num_rows, width] float32 in [0, 1)
+    """U(0, 1) per row: one batched draw from the global RNG, then the rows with a generator
+    redrawn from it (a seeded request's stream depends on nothing else in the batch)."""
+    out = torch.rand(num_rows, width, device=device)
     for row, gen in enumerate(generators):
-        accept_u[row] = torch.rand(accept_u.shape[1], generator=gen)
-        draw_u[row] = torch.rand(vocab, generator=gen)
-    out = rejection_sample(
-        draft_probs.cpu(), target_probs, tokens_in, accept_u[:, :k_max], draw_u, num_draft=num_draft
-    )
-    results = []
-    for row, p in enumerate(params):
-        a = int(out.num_accepted[row])
-        tokens = out.output_token_ids[row, : a + 1].tolist()
-        lps = None
-        if p.logprobs:
-            lp = torch.log_softmax(raw[row, : a + 1], dim=-1)
-            lps = lp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-        results.append((tokens, lps, a))
-    return results
+        if gen is not None:
+            out[row] = torch.rand(width, generator=gen, device=gen.device)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

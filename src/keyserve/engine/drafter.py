@@ -5,7 +5,9 @@ The draft model has its own paged KV cache and block manager. Each target sequen
 the target's tokens and rolled back to the longest prefix whose KV is still valid (accepted
 drafts keep theirs, rejected ones are truncated away). Proposing runs one catch-up forward (the
 new tokens since last time, or the whole prompt on first use) and K − 1 decode forwards, each
-batched over all sequences, keeping the draft distribution p at every position.
+batched over all sequences, keeping the draft distribution p at every position in one tensor on
+the draft's device (none at all when every sequence is greedy: verification then only compares
+argmaxes).
 
 A draft under a KV budget (``DraftBudget``: a cheaper draft; the rejection step keeps the
 output exact whatever the draft proposes) runs each mirror like a budgeted target sequence in
@@ -45,7 +47,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class Proposal:
     token_ids: torch.Tensor  # [num_seqs, max_k] int64 (0 past num_draft)
-    probs: torch.Tensor  # [num_seqs, max_k, vocab] float32 draft distributions p
+    # [num_seqs, max_k, vocab] float32 draft distributions p, on the draft's device; None when
+    # every sequence is greedy (verification then compares argmaxes and never reads p)
+    probs: torch.Tensor | None
     num_draft: torch.Tensor  # [num_seqs] int64: drafts actually proposed per sequence
 
 
@@ -243,7 +247,8 @@ class Drafter:
     def _propose(self, targets: list[Sequence], num_draft: list[int]) -> Proposal:
         b, k_max = len(targets), max(num_draft, default=0)
         tokens = torch.zeros(b, k_max, dtype=torch.int64)
-        probs = torch.zeros(b, k_max, self.vocab_size, dtype=torch.float32)
+        probs: torch.Tensor | None = None  # [b, k_max, vocab] on the draft's device, if sampled
+        st_all = SamplingTensors.from_params([t.params for t in targets])
         proposed = [0] * b
         mirrors = [self._sync(t) for t in targets]
         active = [i for i in range(b) if num_draft[i] > 0]
@@ -264,18 +269,22 @@ class Drafter:
                 raise RuntimeError(f"the draft could not run {sorted(result.failed.values())}")
             batch = [i for i, _ in rows]
             logits = torch.cat([result.logits[mirrors[i].seq_id] for i in batch])  # [n, vocab]
-            st = SamplingTensors.from_params([targets[i].params for i in batch], logits.device)
-            p = processed_probs(logits, st)
-            gens = [self.generators[targets[i].seq_id] for i in batch]
-            drawn = (p / exponential_noise(len(batch), p.shape[-1], gens, p.device)).argmax(-1)
-            for row, i in enumerate(batch):
+            if st_all.all_greedy:  # no distribution needed: verification compares argmaxes
+                drawn = logits.argmax(-1)
+            else:
+                st = SamplingTensors.from_params([targets[i].params for i in batch], logits.device)
+                p = processed_probs(logits, st)  # [n, vocab]
+                gens = [self.generators[targets[i].seq_id] for i in batch]
+                drawn = (p / exponential_noise(len(batch), p.shape[-1], gens, p.device)).argmax(-1)
+                if probs is None:
+                    probs = torch.zeros(b, k_max, p.shape[-1], dtype=torch.float32, device=p.device)
+                probs[torch.tensor(batch, device=p.device), step] = p  # one copy for the batch
+            for i, token in zip(batch, drawn.tolist()):
                 m = mirrors[i]
                 m.num_computed_tokens = m.num_tokens
                 if targets[i].seq_id in self.mirror_budgets and m.kv_slot_cap is None:
                     self._compact(targets[i].seq_id, m)
-                token = int(drawn[row])
                 tokens[i, step] = token
-                probs[i, step] = p[row].cpu()
                 proposed[i] += 1
                 m.output_token_ids.append(token)
             active = [i for i in batch if proposed[i] < num_draft[i]]
@@ -287,5 +296,6 @@ def _put(out: Proposal, rows: list[int], part: Proposal) -> None:
     k = part.token_ids.shape[1]
     index = torch.tensor(rows, dtype=torch.int64)
     out.token_ids[index, :k] = part.token_ids
-    out.probs[index, :k] = part.probs
+    if part.probs is not None and out.probs is not None:
+        out.probs[index, :k] = part.probs.to(out.probs.device)
     out.num_draft[index] = part.num_draft

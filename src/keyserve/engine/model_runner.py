@@ -134,8 +134,10 @@ class ModelRunner:
 
         A sequence without a KV budget writes position p to slot p of its block table. A
         budgeted one gets its slots, rows and score requests from ``SlotPlanner``
-        (``engine/kv_budget/slots.py``); a budgeted target verifying drafts contributes K + 1
-        *decode* rows there, so it is packed right after the decode items.
+        (``engine/kv_budget/slots.py``). A target verifying drafts, budgeted or not, contributes
+        K + 1 *decode* rows (row i attends to positions ≤ start + i), packed right after the
+        decode items: the whole step stays on the decode path (the native decode stack on CPU)
+        instead of one prefill attention per sequence and layer.
 
         ``failed`` (seq_id -> why) collects the budgeted sequences whose own budget could not
         be planned; they are left out of the batch (None if nothing is left to run). Without
@@ -143,8 +145,8 @@ class ModelRunner:
         block, dev = self.block_size, self.device
         n_dec = step.num_decode
         rest = step.items[n_dec:]
-        spare_verify = [it for it in rest if it.draft_token_ids and it.budget is not None]
-        chunks = [it for it in rest if not (it.draft_token_ids and it.budget is not None)]
+        verify = [it for it in rest if it.draft_token_ids]
+        chunks = [it for it in rest if not it.draft_token_ids]
         dec = AttentionRows()  # one query token each
         pre = AttentionRows()  # chunks of one or more query tokens
         planner = SlotPlanner(self.budget, self.seq_infos, block)
@@ -154,7 +156,7 @@ class ModelRunner:
         # [L, n] from the planner (budgets). Plain steps stay in Python ints until one tensor.
         slots: list[list[int] | torch.Tensor] = []
         last_index: dict[int, int] = {}
-        for index, item in enumerate(step.items[:n_dec] + spare_verify + chunks):
+        for index, item in enumerate(step.items[:n_dec] + verify + chunks):
             start = item.start
             if index < n_dec and item.budget is None:  # a plain decode row (most rows)
                 table = item.block_table
@@ -165,10 +167,14 @@ class ModelRunner:
                 positions.append(start)
                 continue
             n = item.num_query_tokens
-            verifies = n_dec <= index < n_dec + len(spare_verify)
+            verifies = n_dec <= index < n_dec + len(verify)
             rows = dec if index < n_dec or verifies else pre
             if item.budget is None:
-                rows.add(item.block_table, start + n, n)
+                if verifies:  # K + 1 decode rows, each attending up to its own position
+                    for i in range(n):
+                        dec.add(item.block_table, start + i + 1, 1)
+                else:
+                    rows.add(item.block_table, start + n, n)
                 slots.append(_slots(item.block_table, start, n, block))
             else:
                 try:
@@ -242,7 +248,7 @@ class ModelRunner:
     def execute(
         self,
         step: StepInput,
-        draft_probs: torch.Tensor | None = None,  # [num_drafted, max_draft, vocab] draft p
+        draft_probs: torch.Tensor | None = None,  # [num_drafted, max_draft, vocab] p; None if all greedy
     ) -> StepOutput:
         """One forward for the whole batch: sample, verify drafts, return logits as asked."""
         start = time.perf_counter()
@@ -252,7 +258,7 @@ class ModelRunner:
 
     def _execute(self, step: StepInput, draft_probs: torch.Tensor | None) -> StepOutput:
         if draft_probs is not None:
-            draft_probs = draft_probs.to(self.device)
+            draft_probs = draft_probs.to(self.device)  # a no-op where the draft shares the device
         self.apply_ops(step.ops)
         failed: dict[int, str] = {}  # seq_id -> why (its own content); empty in a normal step
         for seq_id, info in step.seq_infos.items():
@@ -300,7 +306,7 @@ class ModelRunner:
                     out.kv_stats[item.seq_id] = stats
         if all_logits is None:
             return out
-        raw_logits = {item.seq_id: all_logits[first : first + n] for item, first, n in raw}
+        raw_logits = {item.seq_id: all_logits[first : first + n] for item, first, n in raw[len(verify):]}
         for item in items:
             if item.return_logits:
                 out.logits[item.seq_id] = raw_logits[item.seq_id]
@@ -316,7 +322,8 @@ class ModelRunner:
         if targets:  # before verification: both may draw from the global RNG, in this order
             self._sample(targets, all_logits[: len(targets)], out)
         if verify:
-            self._verify(verify, raw_logits, draft_probs, out)
+            first_rows = {item.seq_id: first for item, first, _ in raw[: len(verify)]}
+            self._verify(verify, all_logits, first_rows, draft_probs, out)
             verify = [it for it in verify if it.seq_id not in failed] if failed else verify
             for item in verify:
                 if item.budget is not None:
@@ -350,34 +357,58 @@ class ModelRunner:
     def _verify(
         self,
         items: list[StepItem],
-        raw_logits: dict[int, torch.Tensor],  # seq_id -> [1 + num_draft, vocab]
-        draft_probs: torch.Tensor | None,  # [num_drafted, max_draft, vocab]
+        logits: torch.Tensor,  # [num_rows, vocab] this step's logits
+        first_rows: dict[int, int],  # seq_id -> its first row in ``logits`` (1 + num_draft rows)
+        draft_probs: torch.Tensor | None,  # [num_drafted, max_draft, vocab]; None if all greedy
         out: StepOutput,
     ) -> None:
         """Rejection sampling of every verifying sequence at once; per sequence on the error
         path, like ``_sample``."""
-        if draft_probs is None:
-            raise RuntimeError("a step with draft tokens needs the draft probabilities")
         try:
-            self._verify_rows(items, raw_logits, draft_probs, out)
+            self._verify_rows(items, logits, first_rows, draft_probs, out)
         except Exception as e:  # noqa: BLE001
             self._per_row("speculative verification", e, [it.seq_id for it in items],
-                          lambda i: self._verify_rows(items[i : i + 1], raw_logits, draft_probs, out), out)
+                          lambda i: self._verify_rows(items[i : i + 1], logits, first_rows, draft_probs, out), out)
 
-    def _verify_rows(self, items: list[StepItem], raw_logits: dict[int, torch.Tensor],
-                     draft_probs: torch.Tensor, out: StepOutput) -> None:
-        results = verify_drafts(
-            [raw_logits[it.seq_id] for it in items],
-            draft_probs[torch.tensor([it.draft_row for it in items], dtype=torch.int64)],
-            [it.draft_token_ids for it in items],
-            [self.seq_infos[it.seq_id].params for it in items],
-            [self.generators.get(it.seq_id) for it in items],
-        )
-        for item, (tokens, logprobs, accepted) in zip(items, results):
-            out.tokens[item.seq_id] = tokens
-            if logprobs is not None:
-                out.logprobs[item.seq_id] = logprobs
-            out.num_accepted[item.seq_id] = accepted
+    def _verify_rows(
+        self,
+        items: list[StepItem],
+        logits: torch.Tensor,  # [num_rows, vocab]
+        first_rows: dict[int, int],  # seq_id -> first row in ``logits``
+        draft_probs: torch.Tensor | None,  # [num_drafted, max_draft, vocab]
+        out: StepOutput,
+    ) -> None:
+        """One batched ``verify_drafts`` on the logits' device; only the emitted tokens (and
+        their logprobs when asked) come back to the host, in one copy each."""
+        dev = logits.device
+        counts = [len(it.draft_token_ids) for it in items]
+        k_max = max(counts)
+        num_draft = torch.tensor(counts, dtype=torch.int64)
+        # Row j of a sequence's padded [k_max + 1] block: its row min(j, num_draft) (padding is
+        # never where a sequence stops, so any row of its own will do).
+        first = torch.tensor([first_rows[it.seq_id] for it in items], dtype=torch.int64)
+        index = first[:, None] + torch.minimum(torch.arange(k_max + 1)[None, :], num_draft[:, None])
+        target_logits = logits.index_select(0, index.view(-1).to(dev)).view(len(items), k_max + 1, -1)
+        draft_ids = torch.tensor([it.draft_token_ids + [0] * (k_max - n) for it, n in zip(items, counts)],
+                                 dtype=torch.int64)
+        params = [self.seq_infos[it.seq_id].params for it in items]
+        st = SamplingTensors.from_params(params, device=dev)
+        probs = None
+        if draft_probs is not None and not st.all_greedy:
+            rows = torch.tensor([it.draft_row for it in items], dtype=torch.int64, device=draft_probs.device)
+            probs = draft_probs.index_select(0, rows)[:, :k_max]
+        want_logprobs = any(p.logprobs for p in params)
+        result = verify_drafts(target_logits, draft_ids, num_draft, st,
+                               [self.generators.get(it.seq_id) for it in items], probs, want_logprobs)
+        tokens = result.output_token_ids.tolist()
+        accepted = result.num_accepted.tolist()
+        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
+        for row, item in enumerate(items):
+            a = accepted[row]
+            out.tokens[item.seq_id] = tokens[row][: a + 1]
+            if logprobs is not None and params[row].logprobs:
+                out.logprobs[item.seq_id] = logprobs[row][: a + 1]
+            out.num_accepted[item.seq_id] = a
 
     @staticmethod
     def _per_row(what: str, error: Exception, seq_ids: list[int], run_row: Callable[[int], None],
