@@ -10,7 +10,9 @@
  * One x row (batch 1): one weight row at a time, prefetching 2 KB ahead; bf16 weights read two
  * at a time from each 32-bit lane against an x permuted once per call (ks_dot_bf16_pairs: a
  * shift and a mask instead of a widening shuffle per value), float32 with AVX-512 where the CPU
- * has it (ks_dot_f32_512), else eight FMA chains (ks_dot8). 2-8 x rows: one
+ * has it (ks_dot_f32_512), else eight FMA chains (ks_dot8). 2-16 x rows of bf16 weights with
+ * AVX-512: the same pairs, each weight row against four x rows at a time (ks_row_pairs). Else,
+ * 2-8 x rows: one
  * weight row at a time against up to four x rows, two chains each (ks_row_xs), the row re-read
  * from L1 for the next four. 9-16 x rows: four weight rows against two x rows at a time
  * (ks_block4: fewer loads per FMA, which starts to matter as the product nears compute-bound).
@@ -24,6 +26,7 @@
 #define KEYSERVE_GEMV_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -252,6 +255,69 @@ static inline __attribute__((always_inline)) int ks_gemv1_fast(const float *x, i
 #endif
 }
 
+#ifdef KS_GEMV_AVX512
+/* A thread's scratch for pair-permuted x rows, grown on demand and kept for the thread's life
+ * (no allocation per call once it fits; NULL where memory runs out: callers fall back). */
+static inline float *ks_pair_scratch(size_t floats) {
+    static __thread float *buf = NULL;
+    static __thread size_t cap = 0;
+    if (floats > cap) {
+        float *grown = aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64);
+        if (!grown) return NULL;
+        free(buf);
+        buf = grown;
+        cap = floats;
+    }
+    return buf;
+}
+
+/* One bf16 weight row against pair-permuted x rows r0..r0+M-1 (M <= 4, constant per call
+ * site; in % 32 == 0): the row is read once, split into its even and odd halves, and used by
+ * every x row from registers. */
+static inline __attribute__((always_inline)) void ks_row_pairs(
+    const float *xp, int in, const uint16_t *w, int r0, int M, float *y, int ldy, int o) {
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 a[4][2];
+    for (int r = 0; r < M; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int i = 0; i < in; i += 32) {
+        const __m512i v = _mm512_loadu_si512(w + i);
+        const __m512 ev = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        const __m512 od = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+        for (int r = 0; r < M; r++) {
+            const float *xr = xp + (int64_t)(r0 + r) * in + i;
+            a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), ev, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), od, a[r][1]);
+        }
+    }
+    for (int r = 0; r < M; r++)
+        y[(int64_t)(r0 + r) * ldy + o] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));
+}
+
+/* 2-16 x rows against bf16 weights, two weights per 32-bit lane (as ks_dot_bf16_pairs), each
+ * weight row against groups of up to four x rows. Returns 0 where it does not apply. */
+static inline int ks_gemv_pairs_rows(const float *x, int m, int ldx, int in, const void *w,
+                                     int o0, int o1, float *y, int ldy) {
+    if (in % 32 != 0) return 0;
+    float *xp = ks_pair_scratch((size_t)m * in);
+    if (!xp) return 0;
+    for (int r = 0; r < m; r++) ks_pair_permute(x + (int64_t)r * ldx, in, 16, xp + (int64_t)r * in);
+    const uint16_t *wb = (const uint16_t *)w;
+    for (int o = o0; o < o1; o++) {
+        const uint16_t *row = wb + (int64_t)o * in;
+        _mm_prefetch((const char *)row + KS_PREFETCH_BYTES, _MM_HINT_T0);
+        int r0 = 0;
+        for (; r0 + 4 <= m; r0 += 4) ks_row_pairs(xp, in, row, r0, 4, y, ldy, o);
+        switch (m - r0) {
+            case 1: ks_row_pairs(xp, in, row, r0, 1, y, ldy, o); break;
+            case 2: ks_row_pairs(xp, in, row, r0, 2, y, ldy, o); break;
+            case 3: ks_row_pairs(xp, in, row, r0, 3, y, ldy, o); break;
+            default: break;
+        }
+    }
+    return 1;
+}
+#endif
+
 /* One weight row against x rows r0..r0+M-1 (M <= 4, constant per call site), two FMA chains
  * per x row: the weight row streams once, the x rows come from L1. */
 static inline __attribute__((always_inline)) void ks_row_xs(
@@ -316,6 +382,9 @@ static inline __attribute__((always_inline)) void ks_gemv_rows_impl(
         for (int o = o0; o < o1; o++) y[o] = ks_dot8(x, in, w, wdt, (int64_t)o * in);
         return;
     }
+#ifdef KS_GEMV_AVX512
+    if (wdt == KS_BF16 && ks_gemv_pairs_rows(x, m, ldx, in, w, o0, o1, y, ldy)) return;
+#endif
     if (m <= 8) {  /* one weight row at a time against groups of up to four x rows */
         for (int o = o0; o < o1; o++) {
             const int64_t base = (int64_t)o * in;
