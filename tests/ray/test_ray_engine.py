@@ -25,9 +25,16 @@ def _prompts(count: int, seed: int = 1) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 50))) for _ in range(count)]
 
 
+def _policy(i: int) -> str:
+    """The policy of request ``i`` (an even one) with budgets: the even requests cycle through
+    all four policies (``POLICIES[i % 4]`` over even ``i`` only ever picked window and
+    keyformer)."""
+    return POLICIES[(i // 2) % len(POLICIES)]
+
+
 def _params(i: int, budgets: bool = False, **kw) -> SamplingParams:
     sampled = i % 3 == 1
-    policy = POLICIES[i % 4] if budgets and i % 2 == 0 else None
+    policy = _policy(i) if budgets and i % 2 == 0 else None
     return SamplingParams(
         max_tokens=16 + i % 9, temperature=0.8 if sampled else 0.0, top_k=40 if i % 6 == 1 else 0,
         seed=100 + i if sampled else None, n=2 if i % 7 == 3 else 1, logprobs=True,
@@ -35,8 +42,13 @@ def _params(i: int, budgets: bool = False, **kw) -> SamplingParams:
     )
 
 
-def _same(want, got) -> None:
-    assert [o.request_id for o in got] is not None
+def _same(prompts: list[str], want, got) -> None:
+    """Ray outputs equal the in-process ones, request by request, each answering its own
+    prompt in order (the old ``is not None`` on a list of ids could not fail): mutating
+    ``LLM.generate`` to return ``list(done.values())`` (finish order) instead of
+    ``[done[rid] for rid in ids]`` fails here."""
+    assert [o.prompt for o in got] == prompts and [o.prompt for o in want] == prompts
+    assert [o.request_id for o in got] == [o.request_id for o in want]
     for a, b in zip(want, got, strict=True):
         assert len(a.outputs) == len(b.outputs)
         for x, y in zip(a.outputs, b.outputs):
@@ -54,6 +66,7 @@ OPTIONS = dict(num_blocks=70, block_size=8)  # small: 32 requests preempt each o
 def test_plain_and_kv_budgets_equal_in_process(stories_path: str) -> None:
     prompts = _prompts(32)
     params = [_params(i, budgets=True) for i in range(32)]
+    assert {p.kv_policy for p in params} == {None, *POLICIES}  # every policy, and unbudgeted
     local = LLM(stories_path, **OPTIONS)
     want = local.generate(prompts, params)
     with RayLLM(stories_path, worker_threads=1, **OPTIONS) as ray_llm:
@@ -68,7 +81,7 @@ def test_plain_and_kv_budgets_equal_in_process(stories_path: str) -> None:
         assert not hasattr(engine, "block_manager") and not hasattr(engine, "scheduler")  # no views
         view = engine.check_consistent()
         assert view.num_free_blocks == view.num_blocks
-    _same(want, got)
+    _same(prompts, want, got)
     assert any(o.stats.kv_tokens_evicted for o in got)
 
 
@@ -97,7 +110,7 @@ def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_
         engine.flush()
         draft = engine.drafter_client.stats()
         assert draft["num_free_blocks"] == draft["num_blocks"] and draft["num_mirrors"] == 0
-    _same(want, got)
+    _same(prompts, want, got)
     if target_budgets:
         assert any(o.stats.kv_tokens_evicted and o.stats.spec_draft_tokens for o in got)
     for a, b in zip(want, got):
