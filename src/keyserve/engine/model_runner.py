@@ -145,8 +145,9 @@ class ModelRunner:
         block, dev = self.block_size, self.device
         n_dec = step.num_decode
         rest = step.items[n_dec:]
-        verify = [it for it in rest if it.draft_token_ids]
-        chunks = [it for it in rest if not it.draft_token_ids]
+        # Verifying targets and short continuations: one decode row per query token.
+        verify = [it for it in rest if it.draft_token_ids or (it.decode_rows and it.budget is None)]
+        chunks = [it for it in rest if not (it.draft_token_ids or (it.decode_rows and it.budget is None))]
         dec = AttentionRows()  # one query token each
         pre = AttentionRows()  # chunks of one or more query tokens
         planner = SlotPlanner(self.budget, self.seq_infos, block)
@@ -170,7 +171,7 @@ class ModelRunner:
             verifies = n_dec <= index < n_dec + len(verify)
             rows = dec if index < n_dec or verifies else pre
             if item.budget is None:
-                if verifies:  # K + 1 decode rows, each attending up to its own position
+                if verifies:  # n decode rows, each attending up to its own position
                     for i in range(n):
                         dec.add(item.block_table, start + i + 1, 1)
                 else:

@@ -48,6 +48,9 @@ class StepItem:
     # nothing, because they are speculative; a later ``SettleOp`` drops or keeps them.
     spare: bool = False
     num_output_tokens: int = 0  # tokens generated so far (Keyformer's temperature schedule)
+    # Pack each query token as a decode row (no budget only): a short continuation, e.g. the
+    # draft's catch-up of the last draft and the bonus token, stays on the decode path.
+    decode_rows: bool = False
 
     @property
     def num_new_tokens(self) -> int:

@@ -34,7 +34,8 @@ from torch import nn
 from keyserve.model.config import ModelConfig
 from keyserve.model.llama import LlamaForCausalLM
 from keyserve.model.loader import LoadedModel
-from keyserve.model.matmul import use_cpu_gemv_layout
+from keyserve.kernels.native import library as native_library
+from keyserve.model.matmul import linear, use_cpu_gemv_layout
 from keyserve.model.paths import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from keyserve.model.weights import iter_safetensors
 
@@ -150,7 +151,7 @@ class PrunedHeadLlama(LlamaForCausalLM):
     def compute_head_logits(
         self, hidden: torch.Tensor  # [n, hidden_size]
     ) -> torch.Tensor:  # [n, N] float32, column j is token head_token_ids[j]
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     def compute_logits(
         self, hidden: torch.Tensor  # [n, hidden_size]
@@ -185,7 +186,12 @@ class PrunedHeadLlama(LlamaForCausalLM):
         missing = sorted(expected - loaded)
         if missing:
             raise DraftError(f"draft checkpoint is missing weights: {missing[:8]}")
-        use_cpu_gemv_layout(self)
+        # As the target does: row-major where the native kernels are built, so a draft decode
+        # forward is one native call over its few layers (and its head one native product)
+        # instead of the torch layers' per-layer overhead, which cost more than its weights.
+        if native_library() is None:
+            use_cpu_gemv_layout(self)
+        self._native_decode = self._build_native_decode()
 
 
 def default_draft_dir(target_name: str = DEFAULT_MODEL_NAME) -> Path:
