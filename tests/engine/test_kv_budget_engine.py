@@ -122,10 +122,55 @@ def test_compressed_blocks_are_never_offered_as_prefix(llm: LLM) -> None:
 
 
 def test_seeded_keyformer_is_reproducible(llm: LLM) -> None:
-    """Keyformer's Gumbel noise is drawn from a generator seeded by the request's seed, so a
-    seeded request evicts the same tokens, and says the same thing, every time."""
+    """Keyformer's Gumbel noise is a function of the request's seed and the token positions
+    (``kernels/noise.py``), so a seeded request evicts the same tokens, and says the same
+    thing, every time."""
     for temperature in (0.0, 0.8):
         params = SamplingParams(max_tokens=30, temperature=temperature, seed=11, kv_policy="keyformer",
                                 kv_budget=12, ignore_eos=True)
         runs = [llm.generate(PROMPT, params)[0].token_ids for _ in range(2)]
         assert runs[0] == runs[1]
+
+
+def test_seeded_keyformer_is_the_same_whatever_its_batch(llm: LLM) -> None:
+    """A seeded Keyformer request gives the same tokens alone and batched with different other
+    requests (other lengths, an unseeded Keyformer request, H2O rows making the step "mixed",
+    a plain one), greedy and sampled, because its noise is drawn per row from its seed and
+    positions; a different seed does change its tokens (so the noise matters here).
+    Mutations caught: ``SlotPlanner.score_args`` indexing prefill rows' keys without the
+    ``len(dec) +`` offset, and ``keyformer.noise_keys`` treating every row as unseeded."""
+    others = ["Tom had a dog.", "The sun was hot and the sky was blue and the birds sang all day long in the trees."]
+
+    def keyformer(seed: int, temperature: float) -> SamplingParams:
+        return SamplingParams(max_tokens=40, temperature=temperature, seed=seed, kv_policy="keyformer",
+                              kv_budget=12, ignore_eos=True)
+
+    batches = [
+        [SamplingParams(max_tokens=25, temperature=0.8, kv_policy="keyformer", kv_budget=10, ignore_eos=True),
+         SamplingParams(max_tokens=50, temperature=0.0, kv_policy="h2o", kv_budget=0.5, ignore_eos=True)],
+        [SamplingParams(max_tokens=35, temperature=0.0, kv_policy="keyformer", kv_budget=8, seed=3, ignore_eos=True),
+         SamplingParams(max_tokens=10)],
+    ]
+    for temperature in (0.0, 0.8):
+        [alone] = llm.generate(PROMPT, keyformer(11, temperature))
+        for i, extra in enumerate(batches):
+            prompts = others + [PROMPT] if i == 0 else [PROMPT] + others[::-1]
+            params = extra + [keyformer(11, temperature)] if i == 0 else [keyformer(11, temperature)] + extra
+            outs = llm.generate(prompts, params)
+            mine = outs[2] if i == 0 else outs[0]
+            assert mine.token_ids == alone.token_ids, (temperature, i)
+            assert mine.stats.kv_tokens_evicted == alone.stats.kv_tokens_evicted
+        # Arriving while the others decode: its prompt rows come after their decode rows.
+        engine = llm.engine
+        for prompt, sp in zip(others, batches[0]):
+            engine.add_request(prompt, sp)
+        for _ in range(3):
+            engine.step()
+        rid = engine.add_request(PROMPT, keyformer(11, temperature))
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((out.request_id, out) for out in engine.step() if out.finished)
+        assert done[rid].token_ids == alone.token_ids, (temperature, "late")
+    [greedy_11] = llm.generate(PROMPT, keyformer(11, 0.0))
+    differs = [llm.generate(PROMPT, keyformer(seed, 0.0))[0].token_ids != greedy_11.token_ids for seed in (12, 13)]
+    assert any(differs)

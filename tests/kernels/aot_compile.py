@@ -61,6 +61,8 @@ def record_launches() -> list[tuple[JITFunction, tuple, dict]]:
                                   split_k=True, partition_size=16)
         pa.paged_prefill_attention(qp, case.k_cache, case.v_cache, tables, starts, lens, 0.1,
                                    sliding_window=4, score_mode="softmax")
+        pa.paged_prefill_attention(qp, case.k_cache, case.v_cache, tables, starts, lens, 0.1,
+                                   score_mode="gumbel", tau=torch.ones(2))  # Keyformer's noise hash
         pa.write_kv(qp[:3, :2], qp[:3, 2:4], case.k_cache, case.v_cache,
                     torch.tensor([[1, 2], [3, -1], [5, 6]]))
     return calls

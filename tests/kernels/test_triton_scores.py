@@ -9,6 +9,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 
 from paged_cases import make_case  # noqa: E402
 
+from keyserve.kernels import noise  # noqa: E402
 from keyserve.kernels.reference import (  # noqa: E402
     paged_decode_attention_reference,
     paged_prefill_attention_reference,
@@ -70,27 +71,35 @@ def _assert_same_distribution(kernel: torch.Tensor, ref: torch.Tensor, spread: f
     assert torch.all((ratio > 1 - spread) & (ratio < 1 + spread)), ratio
 
 
+def _keys(num_seqs: int, seed: int) -> torch.Tensor:
+    return noise.random_keys(num_seqs, torch.Generator().manual_seed(seed))
+
+
 def test_decode_gumbel_rng_statistics(triton_kernels):
-    """The kernel's own Philox draws give the same score distribution as the reference's
-    torch.rand draws (Monte Carlo), and a seed reproduces its draws exactly."""
+    """The kernel's hashed noise (``kernels/noise.py``) gives the same score distribution as
+    the reference fed torch.rand uniforms (Monte Carlo), and the same keys reproduce its draws
+    exactly."""
     num_seqs, ctx, group = 16, 12, 8
     q, case, tables, lens = _same_sequence_batch(num_seqs, ctx, group, seed=8)
     tau = torch.full((num_seqs,), 1.5)
     args = (q, case.k_cache, case.v_cache, tables, lens, 0.25)
     samples = []
     for seed in range(5):
-        _, s = triton_kernels.paged_decode_attention(*args, score_mode="gumbel", tau=tau, seed=seed)
+        _, s = triton_kernels.paged_decode_attention(*args, score_mode="gumbel", tau=tau,
+                                                     noise_keys=_keys(num_seqs, seed))
         samples.append(s[:, 0])
     kernel = torch.cat(samples)  # [80, ctx]
     torch.manual_seed(0)
     big = 4096
     _, ref = paged_decode_attention_reference(
         q[:1].expand(big, -1, -1), case.k_cache, case.v_cache, tables[:1].expand(big, -1),
-        lens[:1].expand(big), 0.25, score_mode="gumbel", tau=torch.full((big,), 1.5))
+        lens[:1].expand(big), 0.25, score_mode="gumbel", tau=torch.full((big,), 1.5),
+        uniforms=torch.rand(big, group, ctx))
     _assert_same_distribution(kernel, ref[:, 0], spread=0.35)
     _, plain = paged_decode_attention_reference(*args[:1], *args[1:], score_mode="softmax")
     assert (kernel.mean(0) - plain[0, 0]).abs().max() > 0.02  # the noise is really there
-    _, again = triton_kernels.paged_decode_attention(*args, score_mode="gumbel", tau=tau, seed=0)
+    _, again = triton_kernels.paged_decode_attention(*args, score_mode="gumbel", tau=tau,
+                                                     noise_keys=_keys(num_seqs, 0))
     assert torch.equal(again[:, 0], samples[0])
     assert not torch.equal(samples[0][0], samples[0][1])  # each sequence draws its own noise
 
@@ -109,7 +118,7 @@ def test_prefill_gumbel_rng_statistics(triton_kernels):
     samples = [
         triton_kernels.paged_prefill_attention(
             q, case.k_cache, case.v_cache, tables, starts, lens, 0.25, score_mode="gumbel",
-            tau=tau, seed=seed)[1][:, 0]
+            tau=tau, noise_keys=_keys(num_seqs, seed))[1][:, 0]
         for seed in range(8)
     ]
     kernel = torch.cat(samples)  # [32, ctx]
@@ -118,5 +127,5 @@ def test_prefill_gumbel_rng_statistics(triton_kernels):
     _, ref = paged_prefill_attention_reference(
         chunk.repeat(big, 1, 1), case.k_cache, case.v_cache, tables[:1].expand(big, -1),
         torch.arange(big + 1, dtype=torch.int32) * q_len, lens[:1].expand(big), 0.25,
-        score_mode="gumbel", tau=torch.full((big,), 1.2))
+        score_mode="gumbel", tau=torch.full((big,), 1.2), uniforms=torch.rand(big * q_len, group, ctx))
     _assert_same_distribution(kernel, ref[:, 0], spread=0.6)

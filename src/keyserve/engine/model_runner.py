@@ -12,7 +12,6 @@ returns, compaction -- is in ``engine/kv_budget/``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import time
@@ -24,7 +23,6 @@ import torch
 from keyserve.core.block_manager import BlockCopy
 from keyserve.core.sampler import SamplingTensors, make_generator, sample
 from keyserve.core.spec_decode import verify_drafts
-from keyserve.engine.kv_budget import keyformer
 from keyserve.engine.kv_budget.compaction import apply_compact, apply_settle
 from keyserve.engine.kv_budget.slots import AttentionRows, ScoreRows, SlotPlanner
 from keyserve.engine.kv_budget.tracker import KVBudgetTracker
@@ -56,7 +54,6 @@ class ModelInputs:
     meta: AttentionMetadata
     last_token_index: dict[int, int]  # seq_id -> row of its last query token
     score_rows: list[ScoreRows] = field(default_factory=list)  # budgeted items whose scores come back
-    keyformer: bool = False  # some row scores with Gumbel noise (Keyformer)
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -221,7 +218,6 @@ class ModelRunner:
             meta=meta,
             last_token_index=last_index,
             score_rows=planner.score_rows,
-            keyformer="gumbel" in planner.modes,
         )
 
     # ---------------------------------------------------------------- execute
@@ -294,9 +290,7 @@ class ModelRunner:
             raw.append((item, len(rows), count))
             end = last[item.seq_id]
             rows.extend(range(end - count + 1, end + 1))
-        noise = keyformer.noise(items, self.seq_infos) if inputs.keyformer else contextlib.nullcontext()
-        with noise:
-            all_logits, scores = self.forward_logits(inputs, rows)
+        all_logits, scores = self.forward_logits(inputs, rows)  # Keyformer's noise: meta.noise_keys
         self.budget.accumulate_step(inputs.score_rows, scores, failed)
         if not self.is_driver:
             return out

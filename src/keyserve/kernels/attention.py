@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from keyserve.kernels import cpu_paths, reference
+from keyserve.kernels import cpu_paths, noise, reference
 from keyserve.kernels.metadata import AttentionMetadata, LayerScores
 from keyserve.kernels.native import decode as native_decode
 from keyserve.kernels.native import write_kv as native_write
@@ -49,10 +49,12 @@ def paged_attention(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    first_head: int = 0,  # global index of this rank's query head 0 (tensor parallelism)
 ) -> tuple[torch.Tensor, LayerScores | None]:  # [num_tokens, num_heads, head_dim], scores
     """Store this step's K/V, then attend decode tokens and prefill chunks to their caches.
     Returns the output and, when ``meta.score_mode`` is set, this layer's attention scores for
-    KV budgets (None otherwise)."""
+    KV budgets (None otherwise). Keyformer's noise is keyed by ``meta.noise_keys``, the layer
+    and the global query head (``kernels/noise.py``)."""
     write_kv(key, value, k_cache, v_cache, meta.layer_slot_mapping(layer_idx))
     n_dec = meta.num_decode_seqs
     triton = _use_triton(query)
@@ -68,13 +70,14 @@ def paged_attention(
         if meta.num_prefill_seqs and meta.score_mode is not None:
             prefill_fn = _prefill_with_fast_scores
     tau = meta.tau
+    layer_key = noise.layer_key(layer_idx, first_head)
     dec_lens, pre_lens = meta.layer_context_lens(layer_idx)
     outs = []
     dec_scores = pre_scores = None
     if n_dec:
         dec_args = (query[:n_dec], k_cache, v_cache, meta.decode_block_tables, dec_lens, scale)
         out, dec_scores = _with_scores(
-            decode_fn, dec_args, meta, None if tau is None else tau[:n_dec], slice(0, n_dec)
+            decode_fn, dec_args, meta, None if tau is None else tau[:n_dec], slice(0, n_dec), layer_key
         )
         outs.append(out)
     if meta.num_prefill_seqs:
@@ -83,21 +86,27 @@ def paged_attention(
             meta.prefill_query_start_loc, pre_lens, scale,
         )
         out, pre_scores = _with_scores(
-            prefill_fn, pre_args, meta, None if tau is None else tau[n_dec:], slice(n_dec, None)
+            prefill_fn, pre_args, meta, None if tau is None else tau[n_dec:], slice(n_dec, None), layer_key
         )
         outs.append(out)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
     return out, None if meta.score_mode is None else (dec_scores, pre_scores)
 
 
-def _with_scores(fn, args: tuple, meta: AttentionMetadata, tau: torch.Tensor | None, rows: slice):
+def _with_scores(fn, args: tuple, meta: AttentionMetadata, tau: torch.Tensor | None, rows: slice,
+                 layer_key: int):
     """Call one attention function; a batch mixing H2O and Keyformer rows runs the score pass
     twice (rare: it only happens when both policies share a step) and picks per row."""
     window = meta.sliding_window
-    if meta.score_mode != "mixed":
+    if meta.score_mode is None or meta.score_mode == "softmax":
         return fn(*args, sliding_window=window, score_mode=meta.score_mode, tau=tau)
+    keys = None if meta.noise_keys is None else meta.noise_keys[rows]
+    noisy_kw = dict(sliding_window=window, score_mode="gumbel", tau=tau, noise_keys=keys,
+                    noise_layer=layer_key)
+    if meta.score_mode == "gumbel":
+        return fn(*args, **noisy_kw)
     out, plain = fn(*args, sliding_window=window, score_mode="softmax", tau=tau)
-    _, noisy = fn(*args, sliding_window=window, score_mode="gumbel", tau=tau)
+    _, noisy = fn(*args, **noisy_kw)
     gumbel = meta.gumbel_rows[rows].to(plain.device)[:, None, None]
     return out, torch.where(gumbel, noisy, plain)
 
@@ -113,6 +122,9 @@ def _prefill_with_fast_scores(
     sliding_window: int | None = None,
     score_mode: str | None = None,
     tau: torch.Tensor | None = None,  # [num_seqs] float32
+    *,
+    noise_keys: torch.Tensor | None = None,  # [num_seqs, 2] int64 (gumbel only)
+    noise_layer: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """CPU prefill with score output: SDPA for the output, chunked matmuls for the scores
     (``cpu_paths.prefill_sdpa_scores``), with the reference's contract."""
@@ -123,4 +135,4 @@ def _prefill_with_fast_scores(
         raise ValueError("tau: score_mode='gumbel' needs the per-sequence temperature")
     return cpu_paths.prefill_sdpa_scores(
         query, k_cache, v_cache, block_tables, query_start_loc.tolist(), context_lens.tolist(),
-        scale, sliding_window, score_mode, tau)
+        scale, sliding_window, score_mode, tau, noise_keys=noise_keys, noise_layer=noise_layer)

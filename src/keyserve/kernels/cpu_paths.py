@@ -22,6 +22,9 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from keyserve.kernels import noise
+from keyserve.kernels.native import decode as native_decode
+
 GROUP_BYTES = 8 << 20  # gathered K+V per decode group: well inside a 32 MiB L3
 
 # Per thread: tensor-parallel ranks may run as threads of one process (tests do).
@@ -255,6 +258,8 @@ def prefill_sdpa_scores(
     score_mode: str,
     tau: torch.Tensor | None,  # [num_seqs] float (gumbel only)
     uniforms: torch.Tensor | None = None,  # [num_tokens, num_heads, max_context] (tests)
+    noise_keys: torch.Tensor | None = None,  # [num_seqs, 2] int64: (noise seed, first query position)
+    noise_layer: int = 0,  # noise.layer_key(layer, first query head)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [num_tokens, num_heads, head_dim], scores
     """Prefill attention that also returns the KV-budget scores ([num_seqs, num_kv_heads,
     max_context] float32, summed over the chunk's queries and the group's heads).
@@ -265,9 +270,13 @@ def prefill_sdpa_scores(
     Under H2O the same probabilities give the output (one more matmul with V, instead of a
     second pass through fused SDPA); Keyformer's scores come from noisy logits, so its output
     is fused SDPA's as in ``prefill_sdpa``. The reference instead materialises ``[heads,
-    queries, slots]`` logits with separate passes for output and scores."""
+    queries, slots]`` logits with separate passes for output and scores. Keyformer's noise is
+    ``kernels/noise.py``'s function of (``noise_keys`` row, layer and head, position, slot)."""
     gumbel = score_mode == "gumbel"
+    native_noise = gumbel and query.device.type == "cpu" and native_decode.library() is not None
     if gumbel:
+        if uniforms is None:
+            keys = (noise_keys if noise_keys is not None else noise.random_keys(len(lens))).tolist()
         out = prefill_sdpa(query, k_cache, v_cache, block_tables, starts, lens, scale, sliding_window)
     else:
         out = torch.zeros_like(query)
@@ -308,14 +317,23 @@ def prefill_sdpa_scores(
             if sliding_window is not None:
                 masked |= cols[:, :width] <= pos - sliding_window
             if gumbel:
-                if uniforms is not None:
-                    u = uniforms[q_start + r0 : q_start + r1, :, first : first + width].float()
-                    u = u.view(n, num_kv_heads, group, width).permute(1, 2, 0, 3).clone()
+                if uniforms is None and native_noise:  # ζ in one native pass, the same bits
+                    seed, first_pos = keys[i]
+                    zeta = native_decode.gumbel_noise_native(
+                        seed, first_pos, noise_layer, num_heads, range(r0, r1), range(first, first + width))
+                    logits = logits.add_(zeta.view(num_kv_heads, group, n, width)).div_(tau[i].float())
                 else:
-                    u = torch.rand_like(logits)
-                # Gumbel noise -log(-log U), in place (torch's exponential_ is ~6x slower on CPU)
-                u.clamp_(1e-20, 1.0 - 1e-7).log_().neg_().log_()
-                logits = logits.sub_(u).div_(tau[i].float())
+                    if uniforms is not None:
+                        u = uniforms[q_start + r0 : q_start + r1, :, first : first + width].float()
+                        u = u.view(n, num_kv_heads, group, width).permute(1, 2, 0, 3).clone()
+                    else:
+                        seed, first_pos = keys[i]
+                        u = noise.chunk_uniforms(seed, first_pos, noise_layer, num_heads, range(r0, r1),
+                                                 range(first, first + width))
+                        u = u.to(device).view(num_kv_heads, group, n, width)
+                    # Gumbel noise -log(-log U), in place (torch's exponential_ is ~6x slower on CPU)
+                    u.clamp_(1e-20, 1.0 - 1e-7).log_().neg_().log_()
+                    logits = logits.sub_(u).div_(tau[i].float())
             logits[..., d0:].masked_fill_(masked, float("-inf"))
             probs = torch.softmax(logits, dim=-1)  # every row keeps its own slot: no empty row
             scores[i, :, first : first + width] += probs.sum(dim=(1, 2))

@@ -39,6 +39,9 @@ class AttentionMetadata:
     score_mode: ScoreMode | Literal["mixed"] | None = None
     gumbel_rows: torch.Tensor | None = None  # [num_seqs] bool, decode seqs first ("mixed" only)
     tau: torch.Tensor | None = None  # [num_seqs] float32, decode seqs first then prefill seqs
+    # Keyformer's noise per row (kernels/noise.py): [num_seqs, 2] int64 (noise seed, position of
+    # the row's first query token), decode seqs first; None: every row draws a random seed
+    noise_keys: torch.Tensor | None = None
 
     @property
     def num_prefill_seqs(self) -> int:

@@ -1,8 +1,9 @@
 """Triton kernels for paged KV writes and paged attention (the CUDA path of ``attention.py``).
 
 The launchers (``write_kv``, ``paged_decode_attention``, ``paged_prefill_attention``) take the
-same arguments and return the same values as their pure-torch twins in ``reference.py``; extra
-keyword-only knobs (``seed``, ``split_k``, ``partition_size``) exist for tests and tuning.
+same arguments and return the same values as their pure-torch twins in ``reference.py`` (the
+keyword-only ``noise_keys`` / ``noise_layer`` of Keyformer's noise included); extra keyword-only
+knobs (``split_k``, ``partition_size``) exist for tests and tuning.
 This is the only module that imports triton, so ``import keyserve`` never needs it. Under
 ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (that is how the test suite runs them,
 against the reference); ``tests/kernels/aot_compile.py`` compiles them for sm_80/sm_90 through
@@ -41,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from keyserve.kernels import checks
+from keyserve.kernels import checks, noise
 from keyserve.kernels.reference import ScoreMode
 
 _SCORE_CODES: dict[ScoreMode | None, int] = {None: 0, "softmax": 1, "gumbel": 2}
@@ -108,22 +109,39 @@ def _online_update(x, m, l):
 
 
 @triton.jit
-def _noisy_logits(x, valid, u_ptrs, seed, tok, heads, slots, tau, HAS_U: tl.constexpr):
-    """Keyformer's perturbed logits (x + ζ) / τ; ζ from test uniforms or the in-kernel RNG.
+def _mix32(x):
+    """lowbias32 on uint32 (``kernels/noise.py``)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
 
-    The RNG is Philox keyed by ``seed`` with the counter (slot, head, token), so every
-    (token, head, slot) gets its own independent draw whatever the tiling or split-K
-    partitioning. ``tok`` [M], ``heads`` [M], ``slots`` [N]; x, valid, u_ptrs [M, N].
+
+@triton.jit
+def _noise_rows(keys_ptr, seq, noise_layer, heads, qi):
+    """Each row's noise key ``mix(mix(seed ^ mix(head_key)) ^ position)`` (``kernels/noise.py``):
+    the sequence's (seed, first query position) from ``keys_ptr`` [S, 2], ``heads`` [M] its
+    query heads, ``qi`` [M] each row's query index in the chunk (0 for decode)."""
+    seed = tl.load(keys_ptr + seq.to(tl.int64) * 2).to(tl.uint32)
+    pos0 = tl.load(keys_ptr + seq.to(tl.int64) * 2 + 1)
+    head_key = (heads + noise_layer).to(tl.uint32)
+    pos = (pos0 + qi).to(tl.uint32)
+    return _mix32(_mix32(seed ^ _mix32(head_key)) ^ pos)
+
+
+@triton.jit
+def _noisy_logits(x, valid, u_ptrs, rows, slots, tau, HAS_U: tl.constexpr):
+    """Keyformer's perturbed logits (x + ζ) / τ; ζ from test uniforms or the noise hash of
+    each row's key (``rows`` [M] from ``_noise_rows``) and slot (``slots`` [N]), the same
+    function as the reference and the native kernel, so every (token, head, slot) draws the
+    same uniform whatever the batch, tiling or split-K partitioning. x, valid, u_ptrs [M, N].
     """
     if HAS_U:
         u = tl.load(u_ptrs, mask=valid, other=0.5)
     else:
-        zero = tl.zeros(x.shape, tl.int32)
-        c_slot = zero + slots[None, :]
-        c_head = zero + heads[:, None]
-        c_tok = zero + tok.to(tl.int32)[:, None]
-        r, _, _, _ = tl.philox(seed, c_slot, c_head, c_tok, zero)
-        u = tl.uint_to_uniform_float(r)
+        bits = _mix32(rows[:, None] + slots.to(tl.uint32)[None, :] * 0x9E3779B9)
+        u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
     y = (x + _gumbel(u)) / tau
     return tl.where(valid, y, float("-inf"))
 
@@ -164,7 +182,7 @@ def _decode_kernel(
     m_ptr, l_ptr,  # [S, Hq, P] partial max / sum (split-K only)
     sm_ptr, sl_ptr,  # score-softmax max / sum: [S, Hq] (direct) or [S, Hq, P] (split-K)
     logit_ptr,  # [S, Hq, max_ctx] float32 scratch for scores
-    tau_ptr, u_ptr, seed,
+    tau_ptr, u_ptr, keys_ptr, noise_layer,  # keys [S, 2] int64: (noise seed, query position)
     scale, window, head_dim, max_ctx, num_heads, max_slots,
     stride_qs, stride_qh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
@@ -200,8 +218,11 @@ def _decode_kernel(
     m2 = tl.full([G_PAD], float("-inf"), tl.float32)
     l2 = tl.zeros([G_PAD], tl.float32)
     tau = 1.0
+    row_keys = tl.zeros([G_PAD], tl.uint32)
     if SCORE_MODE == 2:
         tau = tl.load(tau_ptr + seq).to(tl.float32)
+        if not HAS_U:
+            row_keys = _noise_rows(keys_ptr, seq, noise_layer, heads, g * 0)
     table_row = table_ptr + seq.to(tl.int64) * stride_bt
     n_base = tl.arange(0, BLOCK_N)
     logit_rows = logit_ptr + (seq.to(tl.int64) * num_heads + heads) * max_ctx
@@ -223,7 +244,7 @@ def _decode_kernel(
             valid = g_ok[:, None] & n_ok[None, :]
             if SCORE_MODE == 2:
                 u_ptrs = u_ptr + seq.to(tl.int64) * stride_us + heads[:, None] * stride_uh + n[None, :]
-                x = _noisy_logits(x, valid, u_ptrs, seed, g * 0 + seq, heads, n, tau, HAS_U)
+                x = _noisy_logits(x, valid, u_ptrs, row_keys, n, tau, HAS_U)
                 _, _, m2, l2 = _online_update(x, m2, l2)
             tl.store(logit_rows[:, None] + n[None, :], x, mask=valid)
 
@@ -315,7 +336,7 @@ def _prefill_kernel(
     out_ptr,  # [T, Hq, D]
     sm_ptr, sl_ptr,  # [T, Hq] score-softmax max / sum
     logit_ptr,  # [T, Hq, max_ctx] float32 scratch for scores
-    tau_ptr, u_ptr, seed,
+    tau_ptr, u_ptr, keys_ptr, noise_layer,  # keys [S, 2] int64: (noise seed, first query position)
     scale, window, head_dim, max_ctx, num_heads,
     stride_qt, stride_qh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
@@ -352,8 +373,11 @@ def _prefill_kernel(
     m2 = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
     l2 = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
     tau = 1.0
+    row_keys = tl.zeros([BLOCK_Q * G_PAD], tl.uint32)
     if SCORE_MODE == 2:
         tau = tl.load(tau_ptr + seq).to(tl.float32)
+        if not HAS_U:
+            row_keys = _noise_rows(keys_ptr, seq, noise_layer, heads, qi)
 
     hi = tl.minimum(ctx, prefix + tl.minimum(q0 + BLOCK_Q, q_len))
     lo = 0
@@ -381,7 +405,7 @@ def _prefill_kernel(
         if SCORE_MODE != 0:
             if SCORE_MODE == 2:
                 u_ptrs = u_ptr + tok[:, None] * stride_ut + heads[:, None] * stride_uh + n[None, :]
-                x = _noisy_logits(x, valid, u_ptrs, seed, tok, heads, n, tau, HAS_U)
+                x = _noisy_logits(x, valid, u_ptrs, row_keys, n, tau, HAS_U)
                 _, _, m2, l2 = _online_update(x, m2, l2)
             tl.store(logit_rows[:, None] + n[None, :], x, mask=valid)
 
@@ -468,12 +492,14 @@ def _tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, bool, str
     return d_pad, block_n, use_dot, precision
 
 
-def _draw_seed(seed: int | None) -> int:
-    """The kernel RNG's seed: given, or drawn from torch's CPU generator (so torch.manual_seed
-    makes runs repeatable) without touching the device."""
-    if seed is not None:
-        return int(seed) & 0x7FFFFFFF
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+def _noise_keys(keys: torch.Tensor | None, num_seqs: int, device: torch.device) -> torch.Tensor:
+    """``[num_seqs, 2]`` int64 noise keys on the device: given, or random seeds drawn from
+    torch's CPU generator (so torch.manual_seed makes runs repeatable)."""
+    if keys is None:
+        keys = noise.random_keys(num_seqs)
+    checks.require(tuple(keys.shape) == (num_seqs, 2), "noise_keys",
+                   f"has shape {tuple(keys.shape)}, expected {(num_seqs, 2)}")
+    return keys.to(device=device, dtype=torch.int64).contiguous()
 
 
 def _want_split_k(num_seqs: int, num_kv_heads: int, max_ctx: int, partition: int,
@@ -563,7 +589,8 @@ def paged_decode_attention(
     tau: torch.Tensor | None = None,  # [num_seqs] float32 (gumbel only)
     uniforms: torch.Tensor | None = None,  # [num_seqs, num_heads, max_context] (test-only)
     *,
-    seed: int | None = None,
+    noise_keys: torch.Tensor | None = None,  # [num_seqs, 2] int64: (noise seed, query position)
+    noise_layer: int = 0,  # noise.layer_key(layer, first query head)
     split_k: bool | None = None,
     partition_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -571,7 +598,8 @@ def paged_decode_attention(
 
     ``split_k`` forces (True) or forbids (False) the flash-decoding path; None lets
     ``_want_split_k`` decide. ``partition_size`` (slots, rounded up to the tile) sets its
-    granularity. ``seed`` keys the in-kernel Gumbel RNG when ``uniforms`` is None.
+    granularity. ``noise_keys`` and ``noise_layer`` key the Gumbel noise when ``uniforms`` is
+    None (``kernels/noise.py``; random seeds without keys).
     Returns ``(out [num_seqs, num_heads, head_dim], scores [num_seqs, num_kv_heads,
     max_context] float32 or None)``.
     """
@@ -612,6 +640,7 @@ def paged_decode_attention(
     stat_l = torch.empty(num_seqs, num_heads, **f32)
     u = uniforms if has_u else logits
     tau_t = tau if mode == 2 else stat_m
+    keys = _noise_keys(noise_keys, num_seqs, query.device) if mode == 2 and not has_u else context_lens
     if split:
         part_out = torch.empty(num_seqs, num_heads, num_parts, head_dim, **f32)
         part_m = torch.empty(num_seqs, num_heads, num_parts, **f32)
@@ -627,7 +656,7 @@ def paged_decode_attention(
     _decode_kernel[(num_seqs, num_kv_heads, num_parts)](
         query, k_cache, v_cache, block_tables, context_lens,
         dst, part_m, part_l, dst_sm, dst_sl, logits,
-        tau_t, u, _draw_seed(seed) if mode == 2 and not has_u else 0,
+        tau_t, u, keys, noise_layer & 0xFFFFFFFF,
         float(scale), sliding_window or 0, head_dim, max_ctx, num_heads, covered,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -669,7 +698,8 @@ def paged_prefill_attention(
     tau: torch.Tensor | None = None,  # [num_seqs] float32 (gumbel only)
     uniforms: torch.Tensor | None = None,  # [num_tokens, num_heads, max_context] (test-only)
     *,
-    seed: int | None = None,
+    noise_keys: torch.Tensor | None = None,  # [num_seqs, 2] int64: (noise seed, first query position)
+    noise_layer: int = 0,  # noise.layer_key(layer, first query head)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Several query tokens per sequence against the cached prefix plus themselves
     (slot-causal; see reference.py). The chunk's K/V must already be in the cache.
@@ -713,11 +743,12 @@ def paged_prefill_attention(
     stat_m = torch.empty(num_tokens, num_heads, **f32)
     stat_l = torch.empty(num_tokens, num_heads, **f32)
     u = uniforms if has_u else logits
+    keys = _noise_keys(noise_keys, num_seqs, query.device) if mode == 2 and not has_u else context_lens
     if num_tokens and max_q:
         _prefill_kernel[(num_seqs, num_kv_heads, triton.cdiv(max_q, block_q))](
             query, k_cache, v_cache, block_tables, qsl, context_lens,
             out, stat_m, stat_l, logits,
-            tau if mode == 2 else stat_m, u, _draw_seed(seed) if mode == 2 and not has_u else 0,
+            tau if mode == 2 else stat_m, u, keys, noise_layer & 0xFFFFFFFF,
             float(scale), sliding_window or 0, head_dim, max_ctx, num_heads,
             query.stride(0), query.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -14,7 +14,10 @@ Score output (for KV budgets, docs/algorithms.md §2): per (sequence, kv-head, l
 the attention mass summed over the query heads of the group (and over the query tokens of a
 prefill chunk):
 ``"softmax"`` gives ``softmax(x)`` (H2O), ``"gumbel"`` gives ``softmax((x + ζ) / τ)`` with
-``ζ = -log(-log U)`` (Keyformer). ``uniforms`` lets a test fix ``U``.
+``ζ = -log(-log U)`` (Keyformer). ``U`` is a hash of the row's noise key (``noise_keys``: its
+seed and query position), the layer and head (``noise_layer``) and the slot (``kernels/noise.py``),
+so a row's noise does not depend on its batch; without keys each row gets a random seed.
+``uniforms`` lets a test fix ``U``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from keyserve.kernels import cpu_paths
+from keyserve.kernels import cpu_paths, noise
 
 ScoreMode = Literal["softmax", "gumbel"]
 
@@ -89,12 +92,12 @@ def _masked_softmax_scores(
     mask: torch.Tensor,  # broadcastable to logits, True = attend
     score_mode: ScoreMode,
     tau: torch.Tensor | None,  # broadcastable to logits
-    uniforms: torch.Tensor | None,  # same shape as logits
+    uniforms: torch.Tensor | None,  # same shape as logits (gumbel only)
 ) -> torch.Tensor:
     if score_mode == "softmax":
         return _safe_softmax(logits)
-    u = uniforms if uniforms is not None else torch.rand_like(logits)
-    noisy = (logits + gumbel_from_uniform(u.to(logits.dtype))) / tau
+    assert uniforms is not None
+    noisy = (logits + gumbel_from_uniform(uniforms.to(logits.dtype))) / tau
     noisy = noisy.masked_fill(~mask, float("-inf"))
     return _safe_softmax(noisy)
 
@@ -116,6 +119,9 @@ def paged_decode_attention_reference(
     score_mode: ScoreMode | None = None,
     tau: torch.Tensor | None = None,  # [num_seqs] float32 (gumbel only)
     uniforms: torch.Tensor | None = None,  # [num_seqs, num_heads, max_context] (test-only)
+    *,
+    noise_keys: torch.Tensor | None = None,  # [num_seqs, 2] int64: (noise seed, query position)
+    noise_layer: int = 0,  # noise.layer_key(layer, first query head)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query token per sequence against its paged context.
 
@@ -152,7 +158,12 @@ def paged_decode_attention_reference(
     scores = None
     if score_mode is not None:
         tau4 = None if tau is None else tau.float().view(num_seqs, 1, 1, 1)
-        u = None if uniforms is None else uniforms.view(num_seqs, num_kv_heads, group, max_ctx)
+        u = None
+        if score_mode == "gumbel":
+            if uniforms is None:
+                keys = noise_keys if noise_keys is not None else noise.random_keys(num_seqs)
+                uniforms = noise.decode_uniforms(keys, noise_layer, num_heads, max_ctx).to(query.device)
+            u = uniforms.view(num_seqs, num_kv_heads, group, max_ctx)
         scores = _masked_softmax_scores(logits, mask4, score_mode, tau4, u).sum(dim=2)
     return out.to(query.dtype), scores
 
@@ -169,6 +180,9 @@ def paged_prefill_attention_reference(
     score_mode: ScoreMode | None = None,
     tau: torch.Tensor | None = None,  # [num_seqs] float32 (gumbel only)
     uniforms: torch.Tensor | None = None,  # [num_tokens, num_heads, max_context] (test-only)
+    *,
+    noise_keys: torch.Tensor | None = None,  # [num_seqs, 2] int64: (noise seed, first query position)
+    noise_layer: int = 0,  # noise.layer_key(layer, first query head)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Several query tokens per sequence (chunked prefill, speculative verification).
 
@@ -190,6 +204,8 @@ def paged_prefill_attention_reference(
             query, k_cache, v_cache, block_tables, starts, lens, scale, sliding_window
         ), None
     max_ctx = max(lens) if lens else 0
+    if score_mode == "gumbel" and uniforms is None:
+        keys = (noise_keys if noise_keys is not None else noise.random_keys(num_seqs)).tolist()
     out = torch.zeros_like(query)
     scores = (
         query.new_zeros(num_seqs, num_kv_heads, max_ctx, dtype=torch.float32)
@@ -221,6 +237,10 @@ def paged_prefill_attention_reference(
             if uniforms is not None:
                 u = uniforms[q_start:q_end, :, :ctx].float()
                 u = u.view(q_len, num_kv_heads, group, ctx).permute(1, 2, 0, 3)
+            elif score_mode == "gumbel":
+                seed, first = keys[i]
+                u = noise.chunk_uniforms(seed, first, noise_layer, num_heads, range(q_len), range(ctx))
+                u = u.to(query.device).view(num_kv_heads, group, q_len, ctx)
             s = _masked_softmax_scores(logits, mask, score_mode, tau_i, u)  # [Hkv, G, q, ctx]
             scores[i, :, :ctx] = s.sum(dim=(1, 2))
     return out, scores

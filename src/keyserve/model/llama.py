@@ -87,7 +87,8 @@ class LlamaAttention(nn.Module):
         qk = apply_rotary(qkv[:, : hq + hkv], cos, sin)  # [n, hq + hkv, d]
         q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
         k_cache, v_cache = kv_cache
-        out, scores = paged_attention(self.layer_idx, q, k, v, k_cache, v_cache, meta, self.scale)
+        out, scores = paged_attention(self.layer_idx, q, k, v, k_cache, v_cache, meta, self.scale,
+                                      self.qkv_proj.q_head_start)
         return self.o_proj(out.reshape(n, hq * self.head_dim)), scores
 
 

@@ -7,7 +7,7 @@
 - ``tracker.py``: the model side's per-sequence state (``KVBudgetTracker``): the victims of a
   decode step (``decode_slots``: where Keyformer and H2O evict), prompt-phase selection,
   settling of speculation, score accumulation.
-- ``keyformer.py``: Keyformer's temperature schedule (``tau``) and its noise's seed (``noise``).
+- ``keyformer.py``: Keyformer's temperature schedule (``tau``) and its noise keys (``noise_keys``).
 - ``compaction.py``: the KV core's block-level plan (``plan_prompt_compaction``, ``settle_op``)
   and the model side's moves (``apply_compact``, ``apply_settle``, ``compact_kv``).
 """

@@ -1,22 +1,20 @@
-"""Keyformer's two step-time inputs: the temperature schedule and the Gumbel noise's seed.
+"""Keyformer's two step-time inputs: the temperature schedule and the Gumbel noise's keys.
 
 Keyformer scores tokens by a Gumbel-perturbed softmax of the attention logits at temperature
 tau (docs/algorithms.md §2); the kernels compute those scores in the attention pass
 (``score_mode="gumbel"``), the tracker accumulates them and evicts by them. What the step adds
 is tau per attention row (1 in the prompt phase, then rising linearly from ``tau_init`` to
-``tau_end`` over ``max_tokens``: ``core.kv_policy.keyformer_tau``) and where the noise comes
-from (seeded per request when every Keyformer request in the step has a seed).
+``tau_end`` over ``max_tokens``: ``core.kv_policy.keyformer_tau``) and each row's noise key
+(the request's seed and the query's position: ``noise_keys``, the hash in ``kernels/noise.py``).
 """
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
 
 import torch
 
 from keyserve.core.kv_policy import KVBudget, KVPolicy, keyformer_tau
 from keyserve.engine.step_input import SeqInfo, StepItem
+from keyserve.kernels import noise
 
 
 def tau(kv_budget: KVBudget, seq_infos: dict[int, SeqInfo], item: StepItem, decoding: bool, offset: int = 0) -> float:
@@ -30,31 +28,28 @@ def tau(kv_budget: KVBudget, seq_infos: dict[int, SeqInfo], item: StepItem, deco
     return keyformer_tau(step, p.max_tokens, p.tau_init, p.tau_end)
 
 
-def noise(items: list[StepItem], seq_infos: dict[int, SeqInfo]) -> contextlib.AbstractContextManager[object]:
-    """Where the forward's Gumbel noise comes from. It is drawn from torch's generator inside
-    the attention kernels. When every Keyformer sequence in the step has a seed, the forward
-    draws it from a generator seeded by (seed, sample, position) of those sequences, so a
-    seeded request (alone, or in the same batch) evicts the same tokens every time; the global
-    generator is left where it was. Otherwise the noise is fresh."""
-    keys = []
-    for item in items:
-        if item.budget is None or item.budget.policy is not KVPolicy.KEYFORMER:
-            continue
-        info = seq_infos.get(item.seq_id)
+def noise_keys(
+    rows: list[tuple[int, int, int]],  # (attention row, seq_id, query position) of Keyformer rows
+    num_rows: int,
+    seq_infos: dict[int, SeqInfo],
+    generator: torch.Generator,  # seeds of the rows whose request has none
+    device: torch.device,
+) -> torch.Tensor:  # [num_rows, 2] int64: (noise seed, position); other rows (0, 0)
+    """The attention metadata's ``noise_keys``: per Keyformer row its request's 32-bit noise
+    seed (``kernels.noise.request_seed`` of its seed and sample index) and the position of its
+    (first) query token. The kernels draw each logit's noise from that key, the layer, the head
+    and the slot, so a seeded request evicts the same tokens whatever it is batched with. A
+    request without a seed gets a fresh seed from ``generator`` every step."""
+    keys = torch.zeros(num_rows, 2, dtype=torch.int64)
+    unseeded: list[int] = []
+    for row, seq_id, position in rows:
+        info = seq_infos.get(seq_id)
+        keys[row, 1] = position
         if info is None or info.params.seed is None:
-            return contextlib.nullcontext()
-        keys.append((info.params.seed, info.sample_index, item.start))
-    if not keys:
-        return contextlib.nullcontext()
-    seed = 0x9E3779B97F4A7C15
-    for request_seed, sample_index, start in keys:
-        for part in (request_seed, sample_index, start):
-            seed = ((seed ^ part) * 0x100000001B3) & 0x7FFFFFFFFFFFFFFF
-    return _seeded_cpu_generator(seed)
-
-
-@contextlib.contextmanager
-def _seeded_cpu_generator(seed: int) -> Iterator[None]:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
+            unseeded.append(row)
+        else:
+            keys[row, 0] = noise.request_seed(info.params.seed, info.sample_index)
+    if unseeded:
+        keys[unseeded, 0] = torch.randint(0, 1 << 32, (len(unseeded),), dtype=torch.int64,
+                                          generator=generator)
+    return keys.to(device)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from keyserve.core.kv_policy import KVBudgetState
-from keyserve.engine.kv_budget.keyformer import tau
+from keyserve.engine.kv_budget.keyformer import noise_keys, tau
 from keyserve.engine.step_input import SeqInfo, StepItem
 
 # A budgeted item whose scores come back: (item, in the decode rows?, first row, rows).
@@ -101,6 +101,8 @@ class SlotPlanner:
         self.modes: set[str] = set()  # score modes asked for (H2O: softmax, Keyformer: gumbel)
         self._deferred: list[_Deferred] = []
         self._layered = False  # some sequence's layers hold different counts
+        # Keyformer rows' noise keys: (in the decode rows?, row, seq_id, first query position)
+        self._noise: list[tuple[bool, int, int, int]] = []
 
     def place(
         self,
@@ -120,6 +122,9 @@ class SlotPlanner:
             rows.truncate(marks[0])
             del self.score_rows[marks[1]:], self._deferred[marks[2]:]
             raise
+        if mode == "gumbel":  # one row per verified position, else one row from ``start``
+            for i, row in enumerate(range(marks[0], len(rows))):
+                self._noise.append((is_decode, row, item.seq_id, item.start + (i if verifies else 0)))
         if mode is not None:
             self.modes.add(mode)
         if slots.dim() == 2:
@@ -186,12 +191,17 @@ class SlotPlanner:
     def score_args(self, dec: AttentionRows, pre: AttentionRows, device: torch.device) -> dict[str, object]:
         """The attention metadata's score fields: which scores the kernels return (None,
         "softmax", "gumbel", or "mixed" when H2O and Keyformer share the step), Keyformer's
-        temperature per row and, for "mixed", which rows are Keyformer's."""
+        temperature and noise key per row and, for "mixed", which rows are Keyformer's."""
         if not self.modes:
-            return {"score_mode": None, "tau": None, "gumbel_rows": None}
+            return {"score_mode": None, "tau": None, "gumbel_rows": None, "noise_keys": None}
         score = next(iter(self.modes)) if len(self.modes) == 1 else "mixed"
         taus = torch.tensor(dec.taus + pre.taus, dtype=torch.float32, device=device)
         gumbel = None
         if score == "mixed":
             gumbel = torch.tensor([m == "gumbel" for m in dec.modes + pre.modes], device=device)
-        return {"score_mode": score, "tau": taus, "gumbel_rows": gumbel}
+        keys = None
+        if "gumbel" in self.modes:
+            rows = [(row if in_dec else len(dec) + row, seq_id, pos) for in_dec, row, seq_id, pos in self._noise]
+            keys = noise_keys(rows, len(dec) + len(pre), self.seq_infos,
+                              self.tracker.noise_generator, device)  # type: ignore[attr-defined]
+        return {"score_mode": score, "tau": taus, "gumbel_rows": gumbel, "noise_keys": keys}

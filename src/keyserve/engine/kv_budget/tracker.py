@@ -41,6 +41,10 @@ class KVBudgetTracker:
         # Verification under a budget: seq_id -> (first verified position, per-row scores
         # [K + 1, L, H, max_ctx] or None until the forward returns them), kept until settled.
         self.pending: dict[int, tuple[int, torch.Tensor | None]] = {}
+        # Keyformer's noise seeds for requests without a seed (``keyformer.noise_keys``): a
+        # stream of its own, seeded from torch's initial seed without drawing from the global
+        # generator, so every tensor-parallel rank draws the same seeds.
+        self.noise_generator = torch.Generator().manual_seed(torch.initial_seed() ^ 0x4B657946)
 
     def start(self, seq: HasSeqId, kv_budget: KVBudget) -> KVBudgetState:
         """A fresh prompt phase (new request, or recomputation after preemption)."""

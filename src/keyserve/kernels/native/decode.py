@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from keyserve.kernels import noise
 from keyserve.kernels.native import library, require_library
 
 _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -44,11 +45,15 @@ def paged_decode_attention_native(
     tau: torch.Tensor | None = None,  # [num_seqs] float (gumbel only)
     uniforms: torch.Tensor | None = None,  # [num_seqs, num_heads, max_context] (tests)
     max_context: int | None = None,  # max(context_lens) when the caller knows it already
+    *,
+    noise_keys: torch.Tensor | None = None,  # [num_seqs, 2] int64: (noise seed, query position)
+    noise_layer: int = 0,  # noise.layer_key(layer, first query head)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as ``reference.paged_decode_attention_reference``: ``(out [num_seqs,
     num_heads, head_dim] in query's dtype, scores [num_seqs, num_kv_heads, max_context] float32
-    or None)``. Gumbel noise is drawn from torch's generator (one 63-bit seed per call), so
-    ``torch.manual_seed`` makes it reproducible."""
+    or None)``. Gumbel noise is ``kernels/noise.py``'s hash of each row's ``noise_keys``, the
+    layer and head (``noise_layer``) and the slot; without keys every row gets a seed drawn
+    from torch's generator."""
     lib = require_library()
     if score_mode not in (None, "softmax", "gumbel"):
         raise ValueError(f"score_mode: expected None, 'softmax' or 'gumbel', got {score_mode!r}")
@@ -74,7 +79,11 @@ def paged_decode_attention_native(
         u = _as(uniforms, torch.float32)
         if tuple(u.shape) != (num_seqs, num_heads, max_context):
             raise ValueError(f"uniforms: expected {(num_seqs, num_heads, max_context)}, got {tuple(u.shape)}")
-    seed = int(torch.randint(0, 2**62, (1,)).item()) if mode == 2 and u is None else 0
+    keys = None
+    if mode == 2 and u is None:
+        keys = _as(noise_keys if noise_keys is not None else noise.random_keys(num_seqs), torch.int64)
+        if tuple(keys.shape) != (num_seqs, 2):
+            raise ValueError(f"noise_keys: expected {(num_seqs, 2)}, got {tuple(keys.shape)}")
     if num_seqs:
         lib.keyserve_paged_decode(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _CACHE_DTYPES[k_cache.dtype],
@@ -82,7 +91,30 @@ def paged_decode_attention_native(
             num_kv_heads, head_dim, block_size, float(scale),
             sliding_window if sliding_window is not None else 0, out.data_ptr(), mode,
             None if tau_f is None else tau_f.data_ptr(), None if u is None else u.data_ptr(),
-            seed, None if scores is None else scores.data_ptr(),
+            None if keys is None else keys.data_ptr(), noise_layer & 0xFFFFFFFF,
+            None if scores is None else scores.data_ptr(),
             -1 if max_context is None else max_context, torch.get_num_threads(), PARALLEL_MIN_ROWS,
         )
     return out.to(query.dtype), scores
+
+
+def gumbel_noise_native(
+    seed: int,  # the row's 32-bit noise seed
+    first_position: int,  # position of the chunk's first query
+    head_key0: int,  # noise.layer_key(layer, first query head)
+    num_heads: int,
+    queries: range,  # query rows of the chunk (0 = its first query)
+    slots: range,  # logical slots
+) -> torch.Tensor:  # [num_heads, len(queries), len(slots)] float32
+    """Keyformer's Gumbel noise ``-log(-log U)`` for a chunk, ``U`` being
+    ``noise.chunk_uniforms`` of the same arguments (the same bits), in one native pass: the
+    torch version takes some twenty int64 passes per element."""
+    lib = require_library()
+    out = torch.empty(num_heads, len(queries), len(slots), dtype=torch.float32)
+    if out.numel():
+        lib.keyserve_gumbel_noise(
+            out.data_ptr(), int(seed) & 0xFFFFFFFF, int(head_key0) & 0xFFFFFFFF, num_heads,
+            int(first_position) + queries.start, len(queries), slots.start, len(slots),
+            torch.get_num_threads(),
+        )
+    return out

@@ -12,6 +12,8 @@
  *   lo         = max(0, len - window) with a sliding window, else 0
  *   scores     = per (s, kv-head, slot) attention mass summed over the group's query heads:
  *                softmax (H2O) or softmax((x + zeta) / tau) with zeta = -log(-log U) (Keyformer)
+ *   U          = keyserve/kernels/noise.py's hash of (the row's noise seed and query position,
+ *                noise_layer + query head, slot): the same bits as the torch and Triton paths
  * Cache rows: k_cache[(block * block_size + offset) * num_kv_heads + kv_head][head_dim],
  * float32 or bfloat16. Work is split over (sequence, kv-head) pairs with OpenMP.
  */
@@ -25,18 +27,25 @@
 
 #define TINY 1e-20f
 
-/* splitmix64: a counter-based generator, so every (seq, head, slot) draws independently of
- * thread scheduling and the result is reproducible from the seed. */
-static inline uint64_t mix64(uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
+/* Keyformer's noise (keyserve/kernels/noise.py, which states the function): lowbias32 over a
+ * per-(row, head) key and the slot, so every (sequence, head, position, slot) draws the same
+ * uniform whatever the batch, the thread scheduling or the kernel. */
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return x;
 }
 
-static inline float uniform_open01(uint64_t seed, uint64_t index) {
-    uint64_t r = mix64(seed ^ mix64(index));
-    return ((float)(r >> 40) + 0.5f) * (1.0f / 16777216.0f); /* in (0, 1) */
+static inline uint32_t noise_row(uint32_t seed, uint32_t head_key, uint32_t position) {
+    return mix32(mix32(seed ^ mix32(head_key)) ^ position);
+}
+
+static inline float noise_uniform(uint32_t row, uint32_t slot) {
+    const uint32_t bits = mix32(row + slot * 0x9E3779B9u);
+    return ((float)(bits >> 9) + 0.5f) * (1.0f / 8388608.0f); /* in (0, 1), exact */
 }
 
 /* Row of (logical slot t) in the cache seen as [rows, head_dim]. */
@@ -46,14 +55,15 @@ static inline int64_t cache_row(const int32_t *table, int t, int block_size, int
     return (block * block_size + t % block_size) * num_kv_heads + kv_head;
 }
 
-/* noisy[i] = (logits[i] + zeta_i) / tau with zeta = -log(-log U): U from `uniforms` (tests) or
- * the counter-based generator at index0 + i. Split in two loops so the logs vectorise. */
-static void gumbel_logits(const float *logits, const float *uniforms, uint64_t seed,
-                          int64_t index0, float inv_tau, float *noisy, int n) {
+/* noisy[i] = (logits[i] + zeta_i) / tau with zeta = -log(-log U): U from `uniforms` (tests, at
+ * index0 + i) or the noise hash of row key `row` at slot slot0 + i. Split in two loops so the
+ * logs vectorise. */
+static void gumbel_logits(const float *logits, const float *uniforms, uint32_t row,
+                          int64_t index0, int slot0, float inv_tau, float *noisy, int n) {
     if (uniforms)
         memcpy(noisy, uniforms + index0, sizeof(float) * (size_t)n);
     else
-        for (int i = 0; i < n; i++) noisy[i] = uniform_open01(seed, (uint64_t)(index0 + i));
+        for (int i = 0; i < n; i++) noisy[i] = noise_uniform(row, (uint32_t)(slot0 + i));
 #pragma omp simd
     for (int i = 0; i < n; i++) {
         float u = noisy[i] < TINY ? TINY : noisy[i];
@@ -67,7 +77,8 @@ static void gumbel_logits(const float *logits, const float *uniforms, uint64_t s
                      int max_blocks, const int32_t *lens, int num_seqs, int num_heads,          \
                      int num_kv_heads, int head_dim, int block_size, float scale, int window,   \
                      float *out, int score_mode, const float *tau, const float *uniforms,       \
-                     uint64_t seed, float *scores, int max_ctx, int num_threads) {              \
+                     const int64_t *noise_keys, uint32_t noise_layer, float *scores,            \
+                     int max_ctx, int num_threads) {                                            \
         const int group = num_heads / num_kv_heads;                                            \
         _Pragma("omp parallel num_threads(num_threads)") {                                                               \
             float *logits = malloc(sizeof(float) * (size_t)group * (max_ctx > 0 ? max_ctx : 1)); \
@@ -128,8 +139,11 @@ static void gumbel_logits(const float *logits, const float *uniforms, uint64_t s
                     const float *p = probs + (int64_t)g * n;                                    \
                     if (score_mode == 2) {                                                      \
                         const int64_t h = (int64_t)s * num_heads + kh * group + g;              \
-                        gumbel_logits(logits + (int64_t)g * n, uniforms, seed,                  \
-                                      h * max_ctx + lo, 1.0f / tau[s], noisy, n);               \
+                        const uint32_t key = uniforms ? 0u : noise_row(                         \
+                            (uint32_t)noise_keys[2 * s], noise_layer + (uint32_t)(kh * group + g), \
+                            (uint32_t)noise_keys[2 * s + 1]);                                   \
+                        gumbel_logits(logits + (int64_t)g * n, uniforms, key,                   \
+                                      h * max_ctx + lo, lo, 1.0f / tau[s], noisy, n);           \
                         softmax_into(noisy, noisy, n);                                          \
                         p = noisy;                                                              \
                     }                                                                           \
@@ -162,14 +176,15 @@ DEFINE_DECODE(decode_f32, float, row_f32)
 DEFINE_DECODE(decode_bf16, uint16_t, row_bf16)
 
 /* Entry point (ctypes). cache_dtype: 0 = float32, 1 = bfloat16. score_mode: 0 none,
- * 1 softmax, 2 gumbel. uniforms may be NULL (then drawn from seed). scores may be NULL when
- * score_mode == 0. */
+ * 1 softmax, 2 gumbel. uniforms may be NULL (then U is the noise hash of noise_keys [num_seqs,
+ * 2] = (seed, query position) and noise_layer + head). scores may be NULL when score_mode == 0. */
 void keyserve_paged_decode(const float *q, const void *k_cache, const void *v_cache,
                            int cache_dtype, const int32_t *tables, int max_blocks,
                            const int32_t *lens, int num_seqs, int num_heads, int num_kv_heads,
                            int head_dim, int block_size, float scale, int window, float *out,
                            int score_mode, const float *tau, const float *uniforms,
-                           uint64_t seed, float *scores, int max_ctx, int num_threads,
+                           const int64_t *noise_keys, uint32_t noise_layer, float *scores,
+                           int max_ctx, int num_threads,
                            int parallel_min_rows) {
     if (max_ctx < 0) { /* not given (no score output): the longest context sizes the buffers */
         max_ctx = 0;
@@ -180,11 +195,36 @@ void keyserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
     if (cache_dtype == 1)
         decode_bf16(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, tables, max_blocks,
                     lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window,
-                    out, score_mode, tau, uniforms, seed, scores, max_ctx, num_threads);
+                    out, score_mode, tau, uniforms, noise_keys, noise_layer, scores, max_ctx,
+                    num_threads);
     else
         decode_f32(q, (const float *)k_cache, (const float *)v_cache, tables, max_blocks, lens,
                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, out,
-                   score_mode, tau, uniforms, seed, scores, max_ctx, num_threads);
+                   score_mode, tau, uniforms, noise_keys, noise_layer, scores, max_ctx,
+                   num_threads);
+}
+
+/* Keyformer's Gumbel noise zeta = -log(-log U) for one sequence's chunk of queries (the CPU
+ * prefill-with-scores path): out[h][j][t] for query head h (key head_key0 + h), query j at
+ * position pos0 + j and slot slot0 + t, U the noise hash of `seed` (noise.py). */
+void keyserve_gumbel_noise(float *out, uint32_t seed, uint32_t head_key0, int num_heads,
+                           int64_t pos0, int num_queries, int64_t slot0, int num_slots,
+                           int num_threads) {
+    const int64_t rows = (int64_t)num_heads * num_queries;
+    if (rows * num_slots < 65536 || num_threads < 1) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int h = (int)(r / num_queries), j = (int)(r % num_queries);
+        const uint32_t key = noise_row(seed, head_key0 + (uint32_t)h, (uint32_t)(pos0 + j));
+        float *o = out + r * num_slots;
+        for (int t = 0; t < num_slots; t++) o[t] = noise_uniform(key, (uint32_t)(slot0 + t));
+#pragma omp simd
+        for (int t = 0; t < num_slots; t++) {
+            float u = o[t] < TINY ? TINY : o[t];
+            u = u > 1.0f - 1e-7f ? 1.0f - 1e-7f : u;
+            o[t] = -logf(-logf(u));
+        }
+    }
 }
 
 /* Scatter new K/V rows into the paged cache: token i, kv-head h goes to slot
