@@ -16,6 +16,15 @@ and temperature. For transformers the counts come from forward hooks on both mod
     python bench/spec_bench.py [--ks 1 2 3 4 5 6] [--num-prompts 4] [--max-tokens 64]
 
 Writes the "speculative" section of docs/BENCHMARKS.md and docs/bench_spec.png.
+
+With ``--step-cost`` it measures the step cost model instead (issue 19): the time of one
+decode step, plain and speculative at each K, on the same engine in interleaved rounds, split
+into draft, target forward, verify/sample and bookkeeping, against the target
+``speculative step <= 1.1 x (1 + c K) x plain step`` with c the measured cost of one draft
+forward over one target forward. Writes the "speculative_step_cost" section and
+docs/bench_spec_step.json:
+
+    python bench/spec_bench.py --step-cost --batches 1 8 --ks 1 4 --max-tokens 32 --rounds 3
 """
 
 from __future__ import annotations
@@ -143,6 +152,183 @@ def hf_run(target, draft, counters, tok, temperature: float, k: int, prompts: li
     return row
 
 
+# ---------------------------------------------------------------------- step cost
+STEP_COST_SLACK = 1.1  # issue 19: spec step <= 1.1 x (1 + c K) x plain step
+PHASES = ("draft", "target", "verify/sample", "bookkeeping")
+
+
+class StepClock:
+    """Per-step phase times of one engine, by wrapping (on the instances only) the calls a
+    step makes: ``drafter.propose`` (draft: its forwards and its own bookkeeping), the target
+    runner's ``forward_logits`` (target), ``_sample`` + ``_verify`` (verify/sample); the rest
+    of ``engine.step`` is bookkeeping (scheduling, stop checks, commit). The draft runner's
+    ``forward_logits`` is timed too, for the cost ratio c."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.cur: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+        runner, drafter = engine.runner, engine.drafter
+        self._wrap(runner, "forward_logits", "target")
+        self._wrap(runner, "_sample", "verify/sample")
+        self._wrap(runner, "_verify", "verify/sample")
+        self._wrap(runner, "execute", "execute", self._note_step)
+        if drafter is not None:
+            self._wrap(drafter, "propose", "draft")
+            self._wrap(drafter.runner, "forward_logits", "draft_forward")
+        self._wrap(engine, "step", "total", self._close_step, first=True)
+
+    def _note_step(self, step, *_: object) -> None:
+        # A step with a prompt chunk (more than one new token) is a prefill, not a decode step.
+        if any(len(it.token_ids) > 1 for it in step.items):
+            self.cur["prefill"] = 1.0
+
+    def _close_step(self, *_: object) -> None:
+        pass
+
+    def _wrap(self, obj, name: str, phase: str, before=None, first: bool = False) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            if first:
+                self.cur = {}
+            if before is not None:
+                before(*args)
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.cur[phase] = self.cur.get(phase, 0.0) + time.perf_counter() - t
+                if first:
+                    self.steps.append(self.cur)
+
+        setattr(obj, name, timed)
+
+    def reset(self) -> None:
+        self.steps = []
+
+
+@dataclass
+class StepCost:
+    batch: int
+    k: int  # 0 = plain decoding
+    steps: int  # steady decode steps measured, all rounds
+    tokens_per_step: float  # emitted per sequence per decode step
+    total_ms: float  # median decode step
+    phases_ms: dict  # phase -> median ms per decode step
+    draft_forward_ms: float  # median per draft forward (0 for plain)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return 0.0 if not n else (xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2]))
+
+
+def step_cost_run(llm, clock: StepClock, batch: int, k: int, max_tokens: int,
+                  temperature: float) -> tuple[list[dict[str, float]], float]:
+    """Decode ``batch`` prompts together; the phase times of its steady decode steps (the
+    prefill step, the draft's prompt catch-up right after it and the last K steps, which draft
+    fewer because max_tokens clamps them, left out), and the tokens each sequence emitted per
+    decode step."""
+    from keyserve import SamplingParams
+
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=i,
+                             speculative=k > 0, num_speculative_tokens=k or None) for i in range(batch)]
+    llm.engine.block_manager.reset_prefix_cache()
+    clock.reset()
+    outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(batch)], params, chat=True)
+    decode = [s for s in clock.steps if "prefill" not in s]
+    steady = decode[1 if k else 0 : max(2, len(decode) - k)]
+    per_seq = sum(o.stats.generated_tokens for o in outs) / batch
+    return steady, (per_seq - 1) / max(1, len(decode))
+
+
+def step_cost(args: argparse.Namespace) -> tuple[list[StepCost], dict]:
+    """Interleaved rounds of plain and speculative decoding at each batch; medians per phase
+    over the steady steps of every round pooled (robust to a loaded machine's spikes)."""
+    from keyserve import LLM, SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start, load_before = time.perf_counter(), _load_avg()
+    llm = LLM(draft="default", num_speculative_tokens=max(args.ks), max_num_seqs=max(args.batches))
+    llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0.0), chat=True)  # warm-up
+    clock = StepClock(llm.engine)
+    steps: dict[tuple[int, int], list[dict[str, float]]] = {}
+    rates: dict[tuple[int, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for batch in args.batches:
+            for k in [0, *args.ks]:
+                with torch.inference_mode():
+                    got, rate = step_cost_run(llm, clock, batch, k, args.max_tokens, args.temperatures[0])
+                steps.setdefault((batch, k), []).extend(got)
+                rates.setdefault((batch, k), []).append(rate)
+                tqdm.write(f"step cost batch {batch} K={k}: {1e3 * _median([s['total'] for s in got]):.1f} ms/step")
+    out = []
+    for (batch, k), ss in sorted(steps.items()):
+        phases = {}
+        for ph in PHASES:
+            if ph == "bookkeeping":
+                vals = [s["total"] - sum(s.get(q, 0.0) for q in PHASES[:3]) for s in ss]
+            else:
+                vals = [s.get(ph, 0.0) for s in ss]
+            phases[ph] = 1e3 * _median(vals)
+        forwards = [s["draft_forward"] / k for s in ss if k and "draft_forward" in s]
+        out.append(StepCost(batch, k, len(ss), _median(rates[(batch, k)]), 1e3 * _median([s["total"] for s in ss]),
+                            phases, 1e3 * _median(forwards)))
+    meta = dict(rounds=args.rounds, max_tokens=args.max_tokens, temperature=args.temperatures[0],
+                threads=torch.get_num_threads(), load_before=load_before, load_after=_load_avg(),
+                wall_min=(time.perf_counter() - start) / 60)
+    return out, meta
+
+
+def render_step_cost(rows: list[StepCost], meta: dict) -> str:
+    plain = {r.batch: r for r in rows if r.k == 0}
+    table, verdicts = [], []
+    for r in rows:
+        p = plain[r.batch]
+        c = r.draft_forward_ms / p.phases_ms["target"] if r.k and p.phases_ms["target"] else 0.0
+        bound = STEP_COST_SLACK * (1 + c * r.k) * p.total_ms
+        ok = r.total_ms <= bound
+        # What the step adds over plain: K draft forwards (the model: c·K), the target's K
+        # extra rows per sequence (free in the model), and everything else (overhead).
+        forwards = r.k * r.draft_forward_ms
+        rows_extra = r.phases_ms["target"] - p.phases_ms["target"]
+        overhead = r.total_ms - p.total_ms - forwards - rows_extra
+        table.append([r.batch, r.k or "plain", r.steps, f"{r.total_ms:.1f}",
+                      *(f"{r.phases_ms[ph]:.1f}" for ph in PHASES),
+                      f"{r.total_ms / p.total_ms:.2f}×",
+                      f"{c:.3f}" if r.k else "–", f"{bound:.1f}" if r.k else "–",
+                      ("**met**" if ok else "**NOT met**") if r.k else "–",
+                      f"{forwards:.1f}" if r.k else "–", f"{rows_extra:+.1f}" if r.k else "–",
+                      f"{overhead:+.1f}" if r.k else "–", f"{r.tokens_per_step:.2f}"])
+        if r.k:
+            verdicts.append(ok)
+    met = sum(verdicts)
+    return "\n".join([
+        f"Per decode step, plain vs speculative, on the same engine (SmolLM2-135M-Instruct, draft "
+        f"`default`), temperature {meta['temperature']}, {meta['max_tokens']} generated tokens per "
+        f"sequence, {meta['rounds']} interleaved rounds; medians over the steady decode steps of all "
+        f"rounds (the prefill step, the draft's prompt catch-up and the last K steps, which draft "
+        f"fewer, left out). Phases: draft = `Drafter.propose` (its K forwards and its own "
+        f"bookkeeping); target = the target's `forward_logits`; verify/sample = "
+        f"`ModelRunner._verify` + `_sample`; bookkeeping = the rest of `LLMEngine.step` (schedule, "
+        f"stop checks, commit, runner packing). c = one draft forward ÷ one plain target forward, "
+        f"measured. The last columns split what a speculative step adds over a plain one: K draft "
+        f"forwards, the target's K extra rows per sequence, and the rest (overhead). torch threads "
+        f"{meta['threads']}; load average before {meta['load_before']}, after {meta['load_after']}; "
+        f"wall {meta['wall_min']:.1f} min.",
+        "",
+        f"Target (issue 19): speculative step ≤ {STEP_COST_SLACK} × (1 + c·K) × plain step at the same "
+        f"batch — met in {met} of {len(verdicts)} configurations.",
+        "",
+        markdown_table(["batch", "K", "steps", "step ms", *(f"{ph} ms" for ph in PHASES),
+                        "× plain step", "c", f"bound {STEP_COST_SLACK}(1+cK)·plain ms", "target",
+                        "K draft forwards ms", "extra target rows ms", "overhead ms",
+                        "tokens / step"], table),
+    ])
+
 # ------------------------------------------------------------------------ report
 def render(rows: list[Row], meta: dict) -> str:
     base = {(r.batch, r.temperature): r.tok_s for r in rows if r.engine == "keyserve" and r.k == 0}
@@ -256,7 +442,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=DOCS / "bench_spec.json")
     ap.add_argument("--render", action="store_true", help="re-render --json without measuring")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--step-cost", action="store_true",
+                    help="the per-step cost model instead (plain vs speculative, by phase; issue 19)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--step-cost)")
     args = ap.parse_args()
+    if args.step_cost:
+        return main_step_cost(args)
     if args.render:
         saved = json.loads(args.json.read_text())
         rows, meta = [Row(**r) for r in saved["rows"]], saved["meta"]
@@ -269,6 +460,21 @@ def main() -> None:
         plot(rows, DOCS / "bench_spec.png")
         update_section("speculative", "Speculative sampling: distilled draft vs none vs transformers' assisted "
                        "generation (issue 5)", body)
+
+
+def main_step_cost(args: argparse.Namespace) -> None:
+    path = args.json if args.json != DOCS / "bench_spec.json" else DOCS / "bench_spec_step.json"
+    if args.render:
+        saved = json.loads(path.read_text())
+        rows, meta = [StepCost(**r) for r in saved["rows"]], saved["meta"]
+    else:
+        rows, meta = step_cost(args)
+        path.write_text(json.dumps({"rows": [asdict(r) for r in rows], "meta": meta}, indent=1))
+    body = render_step_cost(rows, meta)
+    print(body)
+    if not args.no_write:
+        update_section("speculative_step_cost", "Speculative step cost: plain vs speculative decode step, by "
+                       "phase (issue 19)", body)
 
 
 def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
