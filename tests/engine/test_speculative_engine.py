@@ -4,6 +4,7 @@ target's, and both caches roll back to exactly the accepted tokens."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -180,3 +181,68 @@ def test_adaptive_k_lives_in_the_engines_one_policy(stories_path: str, draft_dir
     early = {k for a, r in decode_steps[:15] for s, k in r.items() if k}
     assert len(early) > 1, early
     assert not policy._adaptive  # forgotten when the engine finished each sequence
+
+
+def _exact_first_two(model_dir: str, prompt_ids: list[int], params: SamplingParams) -> dict[tuple[int, int], float]:
+    """The target's exact joint q(t1) · q(t2 | t1) after ``prompt_ids`` under ``params``
+    (temperature, top-k, top-p), from a dense transformers forward of the same weights and
+    keyserve's own processing (``processed_probs``)."""
+    from transformers import AutoModelForCausalLM
+
+    from keyserve.core.sampler import SamplingTensors, processed_probs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    st = SamplingTensors.from_params([params])
+
+    def q(ids: list[int]) -> torch.Tensor:  # [vocab]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1:].float()
+        return processed_probs(logits, st)[0].double()
+
+    q1 = q(prompt_ids)
+    joint = {}
+    for t1 in q1.nonzero().flatten().tolist():
+        q2 = q(prompt_ids + [t1])
+        for t2 in q2.nonzero().flatten().tolist():
+            joint[(t1, t2)] = float(q1[t1] * q2[t2])
+    return joint
+
+
+def test_sampled_with_top_k_top_p_equals_target_exactly(stories_path: str, draft_dir: str) -> None:
+    """Temperature 0.7, top-p 0.9, top-k 50 (what users send): the first two tokens of 20,480
+    samples -- the second one from the first speculative step, an accepted draft or a token
+    recovered from norm(max(0, q − p)) -- against the target's exact joint q(t1)·q(t2 | t1).
+
+    Power: with N = 20,480 draws a cell's frequency has standard error ≤ √(0.25 / N) = 0.0035,
+    so a shift of 0.02 in any cell's probability is ≥ 5.7 standard errors; each cell is tested
+    at 4.4 (a 1e-3 family-wise error over ≤ 100 cells), which such a shift exceeds with
+    probability ≥ 0.9, and the chi-square over all cells must pass too."""
+    from scipy.stats import chisquare
+
+    params = SamplingParams(n=64, max_tokens=4, temperature=0.7, top_p=0.9, top_k=50, ignore_eos=True,
+                            num_speculative_tokens=2)
+    llm = LLM(stories_path, num_blocks=1400, max_num_seqs=512, draft=draft_dir, num_speculative_tokens=2)
+    prompt = llm.tokenizer.encode("the little dog")
+    requests = 320
+    outs = llm.generate([prompt] * requests, [params.model_copy(update={"seed": i}) for i in range(requests)])
+    stats = llm.engine.speculative.stats
+    assert stats.num_draft_tokens > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    counts = Counter((o.token_ids[0], o.token_ids[1]) for out in outs for o in out.outputs)
+    n = sum(counts.values())
+    assert n == requests * 64
+    exact = _exact_first_two(stories_path, prompt, params)
+    assert set(counts) <= set(exact), f"emitted outside the target's support: {set(counts) - set(exact)}"
+    assert len(exact) <= 100
+    cells = sorted(exact)
+    observed = [counts.get(c, 0) for c in cells]
+    expected = [exact[c] * n for c in cells]
+    for cell, o, e in zip(cells, observed, expected):
+        p = e / n
+        z = (o - e) / math.sqrt(max(n * p * (1 - p), 1e-12))
+        assert abs(z) < 4.4, (cell, o, e)
+    big = [i for i, e in enumerate(expected) if e >= 5]  # pool the rare cells into one
+    obs = [observed[i] for i in big] + [n - sum(observed[i] for i in big)]
+    exp = [expected[i] for i in big] + [n - sum(expected[i] for i in big)]
+    if exp[-1] < 1e-9:
+        obs, exp = obs[:-1], exp[:-1]
+    assert chisquare(obs, exp).pvalue > 1e-3

@@ -192,9 +192,9 @@ class Drafter:
             item = StepItem(mirror.seq_id, mirror.token_slice(start, start + n), start,
                             list(mirror.block_table), return_logits=1)
             kv_budget = self.mirror_budgets.get(target.seq_id)
-            # The catch-up after a verification (the last draft and the bonus token) is a short
-            # continuation: decode rows, so the draft's step stays one native decode call.
-            item.decode_rows = kv_budget is None and start > 0 and n <= CATCH_UP_DECODE_ROWS
+            # The catch-up after a verification (the last draft and the bonus token), or a short
+            # prompt: decode rows, so the draft's step stays one native decode call.
+            item.decode_rows = kv_budget is None and n <= CATCH_UP_DECODE_ROWS
             if kv_budget is not None:
                 item.budget = kv_budget
                 item.spare = mirror.kv_slot_cap is not None
