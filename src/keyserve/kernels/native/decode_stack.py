@@ -8,10 +8,13 @@ more than ``MAX_ROWS`` rows, autograd) stay on the model's torch path.
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 
 import torch
 
+from keyserve.core.thread_governor import ThreadGovernor
 from keyserve.kernels.metadata import AttentionMetadata
 from keyserve.kernels.native import require_library
 from keyserve.kernels.native.gemv import MAX_ROWS, WEIGHT_DTYPES
@@ -25,6 +28,11 @@ _ERRORS = {
     5: (MemoryError, "native decode: out of memory for the step's scratch buffers"),
 }
 _FIELDS = 13  # per-layer pointer fields, decode_stack.c's LAYER_FIELDS
+
+
+def governor_enabled() -> bool:
+    """``KEYSERVE_THREAD_GOVERNOR=0`` pins the step to torch's thread count."""
+    return os.environ.get("KEYSERVE_THREAD_GOVERNOR", "1") not in ("0", "false", "no")
 _K_CACHE, _V_CACHE = 10, 11
 
 
@@ -95,6 +103,9 @@ class NativeDecodeStack:
         self._caches_key: tuple[int, int, int] | None = None
         self._sliding = [lw.sliding for lw in layers]
         self.weight_ptr = layers[0].qkv_w.data_ptr()  # the model checks its weights are these
+        # all of torch's threads or one, by measurement (CPU contention: core/thread_governor.py);
+        # the result is the same bits either way (each output row is one thread's work)
+        self.governor = ThreadGovernor() if governor_enabled() else None
 
     @staticmethod
     def takes(
@@ -173,13 +184,18 @@ class NativeDecodeStack:
             raise ValueError("decode_block_tables/decode_context_lens do not match the step's rows")
         out = torch.empty(m, self.hidden, dtype=self.dtype)
         _, embed, final_norm, cos_table, sin_table = self._keep
+        full = torch.get_num_threads()
+        threads = self.governor.choose(full, m) if self.governor else full
+        start = time.perf_counter()
         rc = lib.keyserve_decode_stack(
             self._dims.data_ptr(), self._eps, self._scale, self._table.data_ptr(),
             embed.data_ptr(), final_norm.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(),
             m, ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), *strides, tables.data_ptr(),
             tables.shape[1], lens.data_ptr(), m if lens.dim() == 2 else 0,
-            meta.sliding_window or 0, out.data_ptr(), torch.get_num_threads(),
+            meta.sliding_window or 0, out.data_ptr(), threads,
         )
+        if self.governor:
+            self.governor.record(full, m, threads, time.perf_counter() - start)
         if rc:
             exc, message = _ERRORS.get(rc, (RuntimeError, f"native decode failed ({rc})"))
             raise exc(message)
