@@ -379,11 +379,17 @@ class ModelRunner:
         counts = [len(it.draft_token_ids) for it in items]
         k_max = max(counts)
         num_draft = torch.tensor(counts, dtype=torch.int64)
-        # Row j of a sequence's padded [k_max + 1] block: its row min(j, num_draft) (padding is
-        # never where a sequence stops, so any row of its own will do).
-        first = torch.tensor([first_rows[it.seq_id] for it in items], dtype=torch.int64)
-        index = first[:, None] + torch.minimum(torch.arange(k_max + 1)[None, :], num_draft[:, None])
-        target_logits = logits.index_select(0, index.view(-1).to(dev)).view(len(items), k_max + 1, -1)
+        firsts = [first_rows[it.seq_id] for it in items]
+        start, width = firsts[0], k_max + 1
+        if all(n == k_max for n in counts) and firsts == list(range(start, start + width * len(items), width)):
+            # The usual step: every sequence drafted K, rows back to back -- a view, no copy.
+            target_logits = logits[start : start + width * len(items)].view(len(items), width, -1)
+        else:
+            # Row j of a sequence's padded block: its row min(j, num_draft) (padding is never
+            # where a sequence stops, so any row of its own will do).
+            first = torch.tensor(firsts, dtype=torch.int64)
+            index = first[:, None] + torch.minimum(torch.arange(width)[None, :], num_draft[:, None])
+            target_logits = logits.index_select(0, index.view(-1).to(dev)).view(len(items), width, -1)
         draft_ids = torch.tensor([it.draft_token_ids + [0] * (k_max - n) for it, n in zip(items, counts)],
                                  dtype=torch.int64)
         params = [self.seq_infos[it.seq_id].params for it in items]
