@@ -40,7 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.report import BENCHMARKS_MD, markdown_table, update_section  # noqa: E402
+from bench.report import BENCHMARKS_MD, command_line, markdown_table, update_section  # noqa: E402
 
 DOCS = BENCHMARKS_MD.parent
 PROMPTS = [
@@ -279,11 +279,13 @@ def step_cost(args: argparse.Namespace) -> tuple[list[StepCost], dict]:
                             phases, 1e3 * _median(forwards)))
     meta = dict(rounds=args.rounds, max_tokens=args.max_tokens, temperature=args.temperatures[0],
                 threads=torch.get_num_threads(), load_before=load_before, load_after=_load_avg(),
-                wall_min=(time.perf_counter() - start) / 60)
+                wall_min=(time.perf_counter() - start) / 60, command=command_line())
     return out, meta
 
 
-def render_step_cost(rows: list[StepCost], meta: dict) -> str:
+def render_step_cost(rows: list[StepCost], meta: dict, baseline: dict | None = None) -> str:
+    """The table, and (``baseline``: another run's saved json, e.g. before a change) the step
+    times of that run beside this one's."""
     plain = {r.batch: r for r in rows if r.k == 0}
     table, verdicts = [], []
     for r in rows:
@@ -306,7 +308,27 @@ def render_step_cost(rows: list[StepCost], meta: dict) -> str:
         if r.k:
             verdicts.append(ok)
     met = sum(verdicts)
+    before = []
+    if baseline is not None:
+        base = {(r["batch"], r["k"]): r for r in baseline["rows"]}
+        base_plain = {r["batch"]: r for r in baseline["rows"] if r["k"] == 0}
+        for r in rows:
+            b = base.get((r.batch, r.k))
+            if b and r.k:
+                before.append([r.batch, r.k, f"{b['total_ms']:.1f}", f"{b['total_ms'] / base_plain[r.batch]['total_ms']:.2f}×",
+                               f"{b['phases_ms']['draft']:.1f}", f"{b['phases_ms']['target']:.1f}",
+                               f"{b['phases_ms']['verify/sample']:.1f}", f"{r.total_ms:.1f}", f"{r.total_ms / plain[r.batch].total_ms:.2f}×"])
+    compare = [] if not before else [
+        "",
+        f"Before and after, the same command and machine ({baseline['meta'].get('label', 'baseline')}; its load "
+        f"average before {baseline['meta']['load_before']}, after {baseline['meta']['load_after']}):",
+        "",
+        markdown_table(["batch", "K", "before: step ms", "before: × plain", "before: draft ms", "before: target ms",
+                        "before: verify/sample ms", "now: step ms", "now: × plain"], before),
+    ]
     return "\n".join([
+        f"Measured with `{meta.get('command', 'python bench/spec_bench.py --step-cost')}`.",
+        "",
         f"Per decode step, plain vs speculative, on the same engine (SmolLM2-135M-Instruct, draft "
         f"`default`), temperature {meta['temperature']}, {meta['max_tokens']} generated tokens per "
         f"sequence, {meta['rounds']} interleaved rounds; medians over the steady decode steps of all "
@@ -327,6 +349,7 @@ def render_step_cost(rows: list[StepCost], meta: dict) -> str:
                         "× plain step", "c", f"bound {STEP_COST_SLACK}(1+cK)·plain ms", "target",
                         "K draft forwards ms", "extra target rows ms", "overhead ms",
                         "tokens / step"], table),
+        *compare,
     ])
 
 # ------------------------------------------------------------------------ report
@@ -445,6 +468,8 @@ def main() -> None:
     ap.add_argument("--step-cost", action="store_true",
                     help="the per-step cost model instead (plain vs speculative, by phase; issue 19)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--step-cost)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="another --step-cost json to show beside this run (--step-cost)")
     args = ap.parse_args()
     if args.step_cost:
         return main_step_cost(args)
@@ -470,7 +495,8 @@ def main_step_cost(args: argparse.Namespace) -> None:
     else:
         rows, meta = step_cost(args)
         path.write_text(json.dumps({"rows": [asdict(r) for r in rows], "meta": meta}, indent=1))
-    body = render_step_cost(rows, meta)
+    baseline = json.loads(args.baseline.read_text()) if args.baseline else None
+    body = render_step_cost(rows, meta, baseline)
     print(body)
     if not args.no_write:
         update_section("speculative_step_cost", "Speculative step cost: plain vs speculative decode step, by "

@@ -319,3 +319,45 @@ def test_cuda_matches_cpu() -> None:
     # log() may differ by an ulp across devices: a near-tie in the race could flip, rarely.
     same = (a.output_token_ids == b.output_token_ids.cpu()).all(dim=1).float().mean()
     assert float(same) > 0.99
+
+
+def test_verify_drafts_greedy_and_sampled_rows_in_one_batch() -> None:
+    """The engine's entry: greedy rows reduce to argmax matching (with ragged num_draft), sampled
+    rows (temperature, top-k, top-p applied to q inside) emit exactly processed q as their
+    first token, both in one call; logprobs are the raw model's at the emitted tokens."""
+    from keyserve.core.sampler import SamplingTensors, processed_probs
+    from keyserve.core.sampling_params import SamplingParams
+    from keyserve.core.spec_decode import verify_drafts
+
+    torch.manual_seed(9)
+    g = torch.Generator().manual_seed(9)
+    B, K, V = 40_000, 3, 6
+    greedy = torch.arange(B) % 2 == 0
+    base = torch.randn(K + 1, V, generator=g) * 1.5  # context-free target logits, one per position
+    logits = base.expand(B, -1, -1).clone()
+    sampled_params = SamplingParams(temperature=0.7, top_p=0.9, top_k=4)
+    params = [SamplingParams(temperature=0.0) if bool(gr) else sampled_params for gr in greedy]
+    st = SamplingTensors.from_params(params)
+    p = torch.softmax(torch.randn(K, V, generator=g), -1)  # a draft that disagrees often
+    draft_probs = p.expand(B, -1, -1).clone()
+    ids = sample_rows(draft_probs, g)
+    draft_probs[greedy] = torch.nn.functional.one_hot(ids[greedy], V).float()  # what a greedy draft sends
+    num_draft = torch.randint(0, K + 1, (B,), generator=g)
+    out = verify_drafts(logits, ids, num_draft, st, [None] * B, draft_probs, want_logprobs=True)
+    argmax = base.argmax(-1)
+    rows = greedy.nonzero().flatten()[:500]
+    for b in rows.tolist():  # loop-based oracle for the greedy rows
+        n, a = int(num_draft[b]), 0
+        while a < n and int(ids[b, a]) == int(argmax[a]):
+            a += 1
+        assert out.output_token_ids[b].tolist() == argmax[: a + 1].tolist() + [PAD_TOKEN_ID] * (K - a)
+    q0 = processed_probs(base[:1], SamplingTensors.from_params([sampled_params]))[0]
+    first = out.output_token_ids[~greedy, 0]
+    assert chi_square_pvalue(torch.bincount(first, minlength=V), q0) > ALPHA
+    emitted = out.output_token_ids
+    lp = torch.log_softmax(logits, -1).gather(-1, emitted.clamp(min=0)[..., None])[..., 0]
+    assert torch.equal(out.logprobs[emitted >= 0], lp[emitted >= 0])
+    # All greedy: no draft probabilities needed, the same tokens.
+    g_out = verify_drafts(logits[greedy], ids[greedy], num_draft[greedy],
+                          SamplingTensors.from_params([params[0]] * int(greedy.sum())), [None] * int(greedy.sum()))
+    assert torch.equal(g_out.output_token_ids, out.output_token_ids[greedy])

@@ -7,6 +7,10 @@ probability min(1, q/p); at the first rejection a *recovered* token is drawn fro
 norm(max(0, q − p)); when all K are accepted a *bonus* token is drawn from q at position K + 1.
 The emitted tokens are then distributed exactly as sampling from q alone.
 
+``verify_drafts`` is the engine's entry, once per step for every verifying sequence, on the
+device the logits live on: greedy batches only compare drafts with the target's argmax; sampled
+ones gather p and q at the drafted tokens and build the residual only for rows that reject.
+
 Everything random comes in as explicit uniforms (or from a ``torch.Generator``) so the sampler is
 a pure, testable function. Categorical draws use the exponential race (equivalently Gumbel-max):
 ``argmax_i π_i / E_i`` with ``E_i = −log U_i ~ Exp(1)`` picks i with probability π_i / Σπ, with no

@@ -4,7 +4,8 @@ verify.
 Per step, every decoding sequence that speculates gets ``K`` draft tokens from the drafter;
 the target scores all ``K + 1`` positions in the same forward as the rest of the batch;
 ``core.spec_decode.verify_drafts`` (run by the model runner, where the per-sequence generators
-live) decides with the pure, vectorised ``rejection_sample`` what is accepted; the engine
+live, once per step on the logits' device: an argmax comparison when greedy, else the pure,
+vectorised ``rejection_sample``) decides what is accepted; the engine
 appends the accepted tokens plus one recovered or bonus token and rolls both KV caches back to
 that length.
 ``SpeculativeDecoder`` keeps the engine-side part: how many drafts, statistics, adaptive K.
