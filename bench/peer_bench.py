@@ -128,7 +128,12 @@ def single_stream_rounds(args, peers: build.Peers, model_dir: Path, gguf_paths: 
                     rnd.loads.append(res["load"])
                 elif engine == "llama.cpp":
                     spec["model"] = str(gguf_paths[precision])
-                    res = run_worker(peers.python, spec, peers.env())
+                    try:
+                        res = run_worker(peers.python, spec, peers.env())
+                    except RuntimeError as exc:  # its best working configuration: without repacking
+                        tqdm.write(f"round {r + 1} llama.cpp {precision} crashed; again with --no-repack: "
+                                   f"{str(exc).splitlines()[0]}")
+                        res = dict(run_worker(peers.python, dict(spec, no_repack=True), peers.env()), no_repack=True)
                 else:
                     spec["model"] = str(model_dir)
                     res = run_worker(ours, spec, dict(os.environ))
@@ -399,6 +404,11 @@ def report_body(args, record: dict, rounds: list[Round], kept: list[Round], drop
                  f"at the start, {record['load_end']} at the end). It proves the pipeline runs end to end; its numbers "
                  f"are not the comparison. Run without `--quick` on a quiet machine for that.**\n\n")
     builds = ", ".join(f"{k} {v:.0f} s" for k, v in record["build_seconds"].items())
+    no_repack = sorted({f"{res['engine']} {res['precision']}" for r in rounds for res in r.results if res.get("no_repack")})
+    if no_repack:
+        rounds_txt += (f" {', '.join(no_repack)} crashed in llama.cpp's repacked-weight path on this CPU "
+                       f"(its AMX buffers: SIGSEGV at the first token) and ran with repacking off "
+                       f"(`use_extra_bufts = false`, llama-server's `--no-repack`), its best working configuration.")
     many_txt = ""
     if tables["many"]:
         many_txt = (

@@ -98,8 +98,18 @@ def transformers_engine(spec: dict) -> tuple[Callable, Callable]:
 
 
 def llama_cpp_engine(spec: dict) -> tuple[Callable, Callable]:
+    import llama_cpp.llama_cpp as low  # the module Llama() reads its default parameters from
     from llama_cpp import Llama
 
+    if spec.get("no_repack"):  # llama-server's --no-repack: no extra buffer types (AMX, repacked weights)
+        default_params = low.llama_model_default_params
+
+        def no_extra_bufts():  # noqa: ANN202
+            params = default_params()
+            params.use_extra_bufts = False
+            return params
+
+        low.llama_model_default_params = no_extra_bufts
     n = spec["threads"]
     llm = Llama(model_path=spec["model"], n_ctx=spec.get("n_ctx", 2048), n_batch=spec.get("n_batch", 2048),
                 n_ubatch=spec.get("n_ubatch", 512), n_threads=n, n_threads_batch=n, verbose=False)
