@@ -84,6 +84,10 @@ def test_throughput_targets_compare_keyserve_with_each_peer() -> None:
     assert [(x.measured, x.verdict) for x in t] == [("2.00×", "met"), ("4.29×", "**missed**")]
     t = results.throughput_targets({"float32": {"keyserve": 300.0, "llama-server": None}}, ["float32"])
     assert t[0].met is None and t[1].met is None
+    tput["float32"]["transformers padded"] = 50.0  # the target is against padded batches
+    t = results.throughput_targets(tput, ["float32"])
+    assert [(x.what.split("/ ")[1], x.measured, x.verdict) for x in t] == [
+        ("llama-server", "2.00×", "met"), ("transformers padded", "6.00×", "met"), ("transformers", "4.29×", "**missed**")]
 
 
 def test_useful_tokens_per_second_of_what_was_done() -> None:
