@@ -47,9 +47,8 @@ def decode_rate(model, governed: bool, steps: int, prompt: int) -> tuple[float, 
             dec.step()
             times.append(time.perf_counter() - t)
             if stack.governor:
-                est = stack.governor.estimates(1)
-                best = min(est, key=est.get) if est else torch.get_num_threads()
-                used[best] = used.get(best, 0) + 1
+                now = stack.governor.current(1) or torch.get_num_threads()
+                used[now] = used.get(now, 0) + 1
     return 1.0 / statistics.median(times), used
 
 
@@ -108,11 +107,11 @@ def main() -> None:
         f"SmolLM2-135M-Instruct {args.dtype}, batch-1 decode (model forward + LM head, median of "
         f"{args.steps} steps after a {args.prompt}-token prompt), --threads {args.threads}, "
         f"{args.rounds} interleaved rounds. 'pinned': the native step always runs {args.threads} "
-        "threads (KEYSERVE_THREAD_GOVERNOR=0); 'governed': the thread governor times "
-        f"{args.threads} threads against one and runs the faster. Busy neighbour: a pure-Python "
+        "threads (KEYSERVE_THREAD_GOVERNOR=0); 'governed': the thread governor runs "
+        f"{args.threads} threads and tries one when they get slower than usual, keeping the faster. Busy neighbour: a pure-Python "
         f"spin loop per process. 1-minute load average: quiet {min(loads['quiet']):.2f}-"
         f"{max(loads['quiet']):.2f}, busy {min(loads['busy']):.2f}-{max(loads['busy']):.2f}.\n\n"
-        f"{table}\n\nGoverned ÷ pinned: {quiet:.2f}× on the quiet machine (the probes' cost), "
+        f"{table}\n\nGoverned ÷ pinned: {quiet:.2f}× on the quiet machine (what it costs there), "
         f"{busy:.2f}× beside the busy neighbour. Beside it the governor's choice per step was "
         f"{', '.join(f'{n} steps at {t} thread(s)' for t, n in sorted(chose.items()))}."
     )
