@@ -5,6 +5,9 @@ bounded queue and a 1 s request timeout."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -150,10 +153,31 @@ def test_full_queue_is_503_with_retry_after(server: LiveServer) -> None:
     assert post(server, "/completions", {"prompt": "Once", "max_tokens": 3}).status_code == 200
 
 
+@contextlib.contextmanager
+def slow_steps(server: LiveServer, seconds: float = 0.005) -> Iterator[None]:
+    """Every model forward of the server's engine takes at least ``seconds`` more: a request of
+    500 steps then outlives the 1 s deadline on any machine (stories260K decodes 4 x 500 tokens
+    in well under a second on a fast CPU, so without this the timeout tests depend on the
+    machine's speed). The only fault injected: the deadline, abort and error paths are real."""
+    model = server.serving.engine.engine.runner.model
+    forward = model.forward
+
+    def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    model.forward = slow
+    try:
+        yield
+    finally:
+        del model.forward  # back to the class's method
+
+
 def test_request_timeout_is_408_and_aborts(server: LiveServer) -> None:
     server.wait_idle()
     body = {"prompt": "Once upon a time", "max_tokens": 500, "n": MAX_NUM_SEQS, "ignore_eos": True}
-    err = envelope(post(server, "/completions", body), 408)
+    with slow_steps(server):
+        err = envelope(post(server, "/completions", body), 408)
     assert err["code"] == "request_timeout" and err["type"] == "timeout_error"
     server.wait_idle(timeout=10)  # aborted: its KV blocks are back
 
@@ -161,7 +185,8 @@ def test_request_timeout_is_408_and_aborts(server: LiveServer) -> None:
 def test_timeout_while_streaming_ends_the_stream_with_an_error_event(server: LiveServer) -> None:
     server.wait_idle()
     body = {"prompt": "Once upon a time", "max_tokens": 500, "n": MAX_NUM_SEQS, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.base_url + "/completions", json=body, headers=AUTH, timeout=60) as r:
+    with slow_steps(server), httpx.stream("POST", server.base_url + "/completions", json=body, headers=AUTH,
+                                          timeout=60) as r:
         assert r.status_code == 200  # the first tokens came before the deadline
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
