@@ -34,8 +34,7 @@ from torch import nn
 from keyserve.model.config import ModelConfig
 from keyserve.model.llama import LlamaForCausalLM
 from keyserve.model.loader import LoadedModel
-from keyserve.kernels.native import library as native_library
-from keyserve.model.matmul import linear, use_cpu_gemv_layout
+from keyserve.model.matmul import linear
 from keyserve.model.paths import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from keyserve.model.weights import iter_safetensors
 
@@ -189,9 +188,7 @@ class PrunedHeadLlama(LlamaForCausalLM):
         # As the target does: row-major where the native kernels are built, so a draft decode
         # forward is one native call over its few layers (and its head one native product)
         # instead of the torch layers' per-layer overhead, which cost more than its weights.
-        if native_library() is None:
-            use_cpu_gemv_layout(self)
-        self._native_decode = self._build_native_decode()
+        self._settle_layout()
 
 
 def default_draft_dir(target_name: str = DEFAULT_MODEL_NAME) -> Path:

@@ -247,9 +247,14 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(self._expected_targets()) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        self._settle_layout()
+
+    def _settle_layout(self) -> None:
+        """After loading: column-major weights where the native kernels are not built (torch's
+        GEMV streams that layout faster), else row-major stays (the native kernels stream it
+        best: docs/engine.md, "Native CPU decode") and the native decode step is gathered."""
         if native_library() is None:
-            use_cpu_gemv_layout(self)  # torch's GEMV streams column-major faster
-        # else row-major stays: the native kernels stream it best (docs/engine.md, "Native CPU decode")
+            use_cpu_gemv_layout(self)
         self._native_decode = self._build_native_decode()
 
     def _build_native_decode(self) -> NativeDecodeStack | None:
