@@ -47,8 +47,13 @@ def _cpu_flags() -> str:
     return ""
 
 
+def env_switch(name: str) -> bool:
+    """An on-by-default switch: off when the variable is ``0``, ``false`` or ``no``."""
+    return os.environ.get(name, "1") not in ("0", "false", "no")
+
+
 def enabled() -> bool:
-    return os.environ.get("KEYSERVE_NATIVE_KERNELS", "1") not in ("0", "false", "no")
+    return env_switch("KEYSERVE_NATIVE_KERNELS")
 
 
 def _build(compiler: str, out: Path) -> None:

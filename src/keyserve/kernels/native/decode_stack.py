@@ -8,7 +8,6 @@ more than ``MAX_ROWS`` rows, autograd) stay on the model's torch path.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -16,7 +15,7 @@ import torch
 
 from keyserve.core.thread_governor import ThreadGovernor
 from keyserve.kernels.metadata import AttentionMetadata
-from keyserve.kernels.native import require_library
+from keyserve.kernels.native import env_switch, require_library
 from keyserve.kernels.native.gemv import MAX_ROWS, WEIGHT_DTYPES
 
 _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -28,11 +27,6 @@ _ERRORS = {
     5: (MemoryError, "native decode: out of memory for the step's scratch buffers"),
 }
 _FIELDS = 13  # per-layer pointer fields, decode_stack.c's LAYER_FIELDS
-
-
-def governor_enabled() -> bool:
-    """``KEYSERVE_THREAD_GOVERNOR=0`` pins the step to torch's thread count."""
-    return os.environ.get("KEYSERVE_THREAD_GOVERNOR", "1") not in ("0", "false", "no")
 _K_CACHE, _V_CACHE = 10, 11
 
 
@@ -105,7 +99,8 @@ class NativeDecodeStack:
         self.weight_ptr = layers[0].qkv_w.data_ptr()  # the model checks its weights are these
         # all of torch's threads or one, by measurement (CPU contention: core/thread_governor.py);
         # the result is the same bits either way (each output row is one thread's work)
-        self.governor = ThreadGovernor() if governor_enabled() else None
+        # KEYSERVE_THREAD_GOVERNOR=0 pins the step to torch's thread count
+        self.governor = ThreadGovernor() if env_switch("KEYSERVE_THREAD_GOVERNOR") else None
 
     @staticmethod
     def takes(
