@@ -40,8 +40,6 @@
 /* How far ahead of the row being read a single-row product prefetches its weights: past the
  * 4 KB page the hardware streamer stops at. Measured best of 512-8192 B on the AMX Xeon. */
 #define KS_PREFETCH_BYTES 2048
-/* Widest x a bf16 single-row product permutes on the stack (floats; 32 KB). */
-#define KS_MAX_PAIR_IN 8192
 
 enum { KS_F32 = 0, KS_BF16 = 1 };
 
@@ -232,30 +230,6 @@ static inline __attribute__((always_inline)) float ks_dot_bf16_pairs(const float
 #define KS_PAIR_VEC 8
 #endif
 
-/* The single-row (batch-1 decode) product where a faster kernel than ks_dot8 applies: bf16
- * weights two at a time (ks_dot_bf16_pairs), float32 with AVX-512. Returns 0 where it does
- * not (the caller runs ks_dot8). Measured on the AMX Xeon (docs/engine.md): bf16 ~1.3x and
- * float32 ~1.05x ks_dot8's bytes per second at one thread. */
-static inline __attribute__((always_inline)) int ks_gemv1_fast(const float *x, int in, const void *w, int wdt,
-                                                               int o0, int o1, float *y) {
-    if (wdt == KS_BF16) {
-        if (in % (2 * KS_PAIR_VEC) != 0 || in > KS_MAX_PAIR_IN) return 0;
-        float xp[KS_MAX_PAIR_IN];
-        ks_pair_permute(x, in, KS_PAIR_VEC, xp);
-        const uint16_t *wb = (const uint16_t *)w;
-        for (int o = o0; o < o1; o++) y[o] = ks_dot_bf16_pairs(xp, in, wb + (int64_t)o * in);
-        return 1;
-    }
-#ifdef KS_GEMV_AVX512
-    const float *wf = (const float *)w;
-    for (int o = o0; o < o1; o++) y[o] = ks_dot_f32_512(x, in, wf + (int64_t)o * in);
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-#ifdef KS_GEMV_AVX512
 /* A thread's scratch for pair-permuted x rows, grown on demand and kept for the thread's life
  * (no allocation per call once it fits; NULL where memory runs out: callers fall back). */
 static inline float *ks_pair_scratch(size_t floats) {
@@ -271,6 +245,30 @@ static inline float *ks_pair_scratch(size_t floats) {
     return buf;
 }
 
+/* The single-row (batch-1 decode) product where a faster kernel than ks_dot8 applies: bf16
+ * weights two at a time (ks_dot_bf16_pairs), float32 with AVX-512. Returns 0 where it does
+ * not (the caller runs ks_dot8). Measured on the AMX Xeon (docs/engine.md): bf16 ~1.3x and
+ * float32 ~1.05x ks_dot8's bytes per second at one thread. */
+static inline __attribute__((always_inline)) int ks_gemv1_fast(const float *x, int in, const void *w, int wdt,
+                                                               int o0, int o1, float *y) {
+    if (wdt == KS_BF16) {
+        float *xp = in % (2 * KS_PAIR_VEC) == 0 ? ks_pair_scratch((size_t)in) : NULL;
+        if (!xp) return 0;
+        ks_pair_permute(x, in, KS_PAIR_VEC, xp);
+        const uint16_t *wb = (const uint16_t *)w;
+        for (int o = o0; o < o1; o++) y[o] = ks_dot_bf16_pairs(xp, in, wb + (int64_t)o * in);
+        return 1;
+    }
+#ifdef KS_GEMV_AVX512
+    const float *wf = (const float *)w;
+    for (int o = o0; o < o1; o++) y[o] = ks_dot_f32_512(x, in, wf + (int64_t)o * in);
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef KS_GEMV_AVX512
 /* One bf16 weight row against pair-permuted x rows r0..r0+M-1 (M <= 4, constant per call
  * site; in % 32 == 0): the row is read once, split into its even and odd halves, and used by
  * every x row from registers. */
@@ -297,10 +295,9 @@ static inline __attribute__((always_inline)) void ks_row_pairs(
  * weight row against groups of up to four x rows. Returns 0 where it does not apply. */
 static inline int ks_gemv_pairs_rows(const float *x, int m, int ldx, int in, const void *w,
                                      int o0, int o1, float *y, int ldy) {
-    if (in % 32 != 0) return 0;
-    float *xp = ks_pair_scratch((size_t)m * in);
+    float *xp = in % (2 * KS_PAIR_VEC) == 0 ? ks_pair_scratch((size_t)m * in) : NULL;
     if (!xp) return 0;
-    for (int r = 0; r < m; r++) ks_pair_permute(x + (int64_t)r * ldx, in, 16, xp + (int64_t)r * in);
+    for (int r = 0; r < m; r++) ks_pair_permute(x + (int64_t)r * ldx, in, KS_PAIR_VEC, xp + (int64_t)r * in);
     const uint16_t *wb = (const uint16_t *)w;
     for (int o = o0; o < o1; o++) {
         const uint16_t *row = wb + (int64_t)o * in;
