@@ -39,16 +39,13 @@ def decode_rate(model, governed: bool, steps: int, prompt: int) -> tuple[float, 
     stack = model._native_decode
     stack.governor = ThreadGovernor() if governed else None
     used: dict[int, int] = {}
-    dec = Decoder(model, 1, prompt, steps)
-    times = []
-    with torch.inference_mode():
-        for _ in range(steps):
-            t = time.perf_counter()
-            dec.step()
-            times.append(time.perf_counter() - t)
-            if stack.governor:
-                now = stack.governor.current(1) or torch.get_num_threads()
-                used[now] = used.get(now, 0) + 1
+
+    def count_choice() -> None:
+        if stack.governor:
+            now = stack.governor.current(1) or torch.get_num_threads()
+            used[now] = used.get(now, 0) + 1
+
+    times = Decoder(model, 1, prompt, steps).timed_steps(steps, count_choice)
     return 1.0 / statistics.median(times), used
 
 

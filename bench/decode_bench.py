@@ -98,6 +98,18 @@ class Decoder:
         self.len += 1
         return logits
 
+    def timed_steps(self, steps: int, after_each=None) -> list[float]:  # noqa: ANN001
+        """Seconds of each of ``steps`` steps (``after_each()`` runs untimed after each)."""
+        times = []
+        with torch.inference_mode():
+            for _ in range(steps):
+                t = time.perf_counter()
+                self.step()
+                times.append(time.perf_counter() - t)
+                if after_each is not None:
+                    after_each()
+        return times
+
 
 def decode_rate(model: LlamaForCausalLM, mode: str, rows: int, steps: int, prompt: int) -> float:
     """Tokens/s (per sequence) of ``steps`` decode steps: median step time. mode: "native",
@@ -109,13 +121,7 @@ def decode_rate(model: LlamaForCausalLM, mode: str, rows: int, steps: int, promp
     if mode == "before":
         native_gemv.supports = lambda *a, **k: False  # matmul.linear and compute_logits look it up here
     try:
-        dec = Decoder(model, rows, prompt, steps)
-        times = []
-        with torch.inference_mode():
-            for _ in range(steps):
-                t = time.perf_counter()
-                dec.step()
-                times.append(time.perf_counter() - t)
+        times = Decoder(model, rows, prompt, steps).timed_steps(steps)
     finally:
         model._native_decode = stack
         native_gemv.supports = route
