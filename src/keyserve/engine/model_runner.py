@@ -143,8 +143,9 @@ class ModelRunner:
         n_dec = step.num_decode
         rest = step.items[n_dec:]
         # Verifying targets and short continuations: one decode row per query token.
-        verify = [it for it in rest if it.draft_token_ids or (it.decode_rows and it.budget is None)]
-        chunks = [it for it in rest if not (it.draft_token_ids or (it.decode_rows and it.budget is None))]
+        as_rows = [bool(it.draft_token_ids or (it.decode_rows and it.budget is None)) for it in rest]
+        verify = [it for it, r in zip(rest, as_rows) if r]
+        chunks = [it for it, r in zip(rest, as_rows) if not r]
         dec = AttentionRows()  # one query token each
         pre = AttentionRows()  # chunks of one or more query tokens
         planner = SlotPlanner(self.budget, self.seq_infos, block)
