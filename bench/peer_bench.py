@@ -99,6 +99,14 @@ def contenders(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 # ----------------------------------------------------------------- single stream
+class WorkerFailed(RuntimeError):
+    """A worker process ended without a result; ``returncode`` < 0: killed by that signal."""
+
+    def __init__(self, message: str, returncode: int) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
 def run_worker(python: Path, spec: dict, env: dict[str, str], timeout_s: float = 1800) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
@@ -111,8 +119,8 @@ def run_worker(python: Path, spec: dict, env: dict[str, str], timeout_s: float =
     for line in done.stdout.splitlines()[::-1]:
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"worker {spec['engine']} {spec.get('precision', '')} failed (exit {done.returncode}):\n"
-                       f"{done.stderr[-3000:]}")
+    raise WorkerFailed(f"worker {spec['engine']} {spec.get('precision', '')} failed (exit {done.returncode}):\n"
+                       f"{done.stderr[-3000:]}", done.returncode)
 
 
 def single_stream_rounds(args, peers: build.Peers, model_dir: Path, gguf_paths: dict[str, Path],
@@ -136,10 +144,13 @@ def single_stream_rounds(args, peers: build.Peers, model_dir: Path, gguf_paths: 
                     spec["model"] = str(gguf_paths[precision])
                     try:
                         res = run_worker(peers.python, spec, peers.env())
-                    except RuntimeError as exc:  # its best working configuration: without repacking
+                    except WorkerFailed as exc:  # a crash: its best working configuration is without repacking
+                        if exc.returncode >= 0:
+                            raise
                         tqdm.write(f"round {r + 1} llama.cpp {precision} crashed; again with --no-repack: "
                                    f"{str(exc).splitlines()[0]}")
-                        res = dict(run_worker(peers.python, dict(spec, no_repack=True), peers.env()), no_repack=True)
+                        res = dict(run_worker(peers.python, dict(spec, no_repack=True), peers.env()),
+                                   no_repack=-exc.returncode)
                 else:
                     spec["model"] = str(model_dir)
                     res = run_worker(ours, spec, dict(os.environ))
@@ -414,10 +425,11 @@ def report_body(args, record: dict, rounds: list[Round], kept: list[Round], drop
                  f"at the start, {record['load_end']} at the end). It proves the pipeline runs end to end; its numbers "
                  f"are not the comparison. Run without `--quick` on a quiet machine for that.**\n\n")
     builds = ", ".join(f"{k} {v:.0f} s" for k, v in record["build_seconds"].items())
-    no_repack = sorted({f"{res['engine']} {res['precision']}" for r in rounds for res in r.results if res.get("no_repack")})
+    no_repack = sorted({f"{res['engine']} {res['precision']} (signal {res['no_repack']})"
+                        for r in rounds for res in r.results if res.get("no_repack")})
     if no_repack:
-        rounds_txt += (f" {', '.join(no_repack)} crashed in llama.cpp's repacked-weight path on this CPU "
-                       f"(its AMX buffers: SIGSEGV at the first token) and ran with repacking off "
+        rounds_txt += (f" {', '.join(no_repack)} crashed with llama.cpp's weight repacking on this CPU "
+                       f"(its AMX buffers, by the log) and ran with repacking off "
                        f"(`use_extra_bufts = false`, llama-server's `--no-repack`), its best working configuration.")
     many_txt = ""
     if tables["many"]:
