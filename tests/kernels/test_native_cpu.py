@@ -50,6 +50,44 @@ def test_decode_equals_reference(dtype: torch.dtype, window: int | None, score_m
         torch.testing.assert_close(scores, want_scores, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (12, 1, 32), (12, 2, 64), (8, 2, 128), (4, 4, 48), (20, 2, 16)])
+@pytest.mark.parametrize("score_mode", [None, "gumbel"])
+@pytest.mark.parametrize("num_seqs", [3, 12])
+def test_decode_shapes_and_work_splits(dtype: torch.dtype, shape: tuple[int, int, int], score_mode: str | None,
+                                       num_seqs: int) -> None:
+    """attend.h's vector passes against the reference for head dims that fill whole vector
+    tiles (64, 128), half tiles (16, 32, 48: the scalar fallbacks), query groups larger than
+    one register tile (12 heads; with 2 kv heads the second tile starts inside the
+    second kv head's group), and both work splits of paged_decode.c: a
+    sequence's kv heads as one work item (12 sequences) or one item per kv head (3)."""
+    h, hkv, d = shape
+    g = torch.Generator().manual_seed(7)
+    lens = [int(x) for x in torch.randint(1, 90, (num_seqs,), generator=g)]
+    nb = sum((n + BS - 1) // BS for n in lens) + 4
+    k = (torch.randn(nb, BS, hkv, d, generator=g) * 2).to(dtype)
+    v = torch.randn(nb, BS, hkv, d, generator=g).to(dtype)
+    q = torch.randn(num_seqs, h, d, generator=g).to(dtype)
+    mb = max((n + BS - 1) // BS for n in lens) + 1
+    tables = torch.stack([torch.randperm(nb, generator=g)[:mb] for _ in lens]).int()
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    tau = torch.linspace(0.5, 2.0, num_seqs)
+    u = torch.rand(num_seqs, h, max(lens), generator=g)
+    want_out, want_scores = ref.paged_decode_attention_reference(
+        q, k, v, tables, ctx, d**-0.5, None, score_mode=score_mode or "softmax", tau=tau, uniforms=u)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 12 sequences >= 4 x 2 threads: kv heads together; 3: split
+    try:
+        out, scores = paged_decode_attention_native(
+            q, k, v, tables, ctx, d**-0.5, None, score_mode=score_mode, tau=tau, uniforms=u)
+    finally:
+        torch.set_num_threads(threads)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), want_out.float(), atol=tol, rtol=tol)
+    if score_mode is not None:
+        torch.testing.assert_close(scores, want_scores, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_matches_sdpa_path_at_batch() -> None:
     """Many sequences of very different lengths, against the engine's torch fast path."""
     lens = [int(x) for x in torch.randint(1, 700, (24,), generator=torch.Generator().manual_seed(3))]

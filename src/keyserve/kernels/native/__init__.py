@@ -27,7 +27,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_decode.c", "skinny_linear.c", "gemv.c", "decode_stack.c")
-HEADERS = ("gemv.h", "vecmath.h")  # included by the sources: part of the cache key
+HEADERS = ("attend.h", "gemv.h", "vecmath.h")  # included by the sources: part of the cache key
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
 

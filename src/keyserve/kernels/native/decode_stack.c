@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attend.h"
 #include "gemv.h"
 #include "vecmath.h"
 
@@ -87,22 +88,6 @@ static void rotate(const Dims *c, float *x, const float *cs, const float *sn) {
     }
 }
 
-static inline int64_t cache_row(const int32_t *table, int t, int block_size, int hkv, int g) {
-    return ((int64_t)table[t / block_size] * block_size + t % block_size) * hkv + g;
-}
-
-static inline void load_row(const void *cache, int cdt, int64_t row, int d, float *buf) {
-    if (cdt == KS_BF16) {
-        const uint16_t *src = (const uint16_t *)cache + row * d;
-#pragma omp simd
-        for (int i = 0; i < d; i++) buf[i] = ks_bf16_to_f32(src[i]);
-    } else {
-        const float *src = (const float *)cache + row * d;
-#pragma omp simd
-        for (int i = 0; i < d; i++) buf[i] = src[i];
-    }
-}
-
 static inline void store_row(void *cache, int cdt, int64_t row, int d, const float *src) {
     if (cdt == KS_BF16) {
         uint16_t *dst = (uint16_t *)cache + row * d;
@@ -113,36 +98,18 @@ static inline void store_row(void *cache, int cdt, int64_t row, int d, const flo
 }
 
 /* Decode attention of one kv head's query group against slots [lo, len) of one sequence:
- * o[group, d] = softmax(q . K * scale) @ V (paged_decode.c's algorithm and order). */
+ * o[group, d] = softmax(q . K * scale) @ V (attend.h's passes, as paged_decode.c). */
 static void attend(const Dims *c, const float *q, const void *kc, const void *vc,
-                   const int32_t *table, int g, int lo, int len, float *logits, float *row,
-                   float *o) {
-    const int d = c->d, group = c->group, n = len - lo;
-    memset(o, 0, sizeof(float) * (size_t)group * d);
-    if (n <= 0) return;
-    for (int t = lo; t < len; t++) {
-        load_row(kc, c->cdt, cache_row(table, t, c->block_size, c->hkv, g), d, row);
-        for (int j = 0; j < group; j++) {
-            const float *qj = q + (int64_t)j * d;
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int i = 0; i < d; i++) acc += qj[i] * row[i];
-            logits[(int64_t)j * n + (t - lo)] = acc * c->scale;
-        }
+                   const int32_t *table, int g, int lo, int len, float *logits, float *o) {
+    const int n = len - lo;
+    const ks_kv_view kv = {kc, vc, c->cdt, table, c->block_size, c->hkv, g, c->d};
+    if (n <= 0) {
+        memset(o, 0, sizeof(float) * (size_t)c->group * c->d);
+        return;
     }
-    for (int j = 0; j < group; j++) {
-        float *x = logits + (int64_t)j * n;
-        softmax_into(x, x, n);
-    }
-    for (int t = lo; t < len; t++) {
-        load_row(vc, c->cdt, cache_row(table, t, c->block_size, c->hkv, g), d, row);
-        for (int j = 0; j < group; j++) {
-            const float p = logits[(int64_t)j * n + (t - lo)];
-            float *oj = o + (int64_t)j * d;
-#pragma omp simd
-            for (int i = 0; i < d; i++) oj[i] += p * row[i];
-        }
-    }
+    ks_attend_logits(&kv, q, c->group, 1, lo, len, c->scale, logits);
+    for (int j = 0; j < c->group; j++) softmax_into(logits + (int64_t)j * n, logits + (int64_t)j * n, n);
+    ks_attend_values(&kv, logits, c->group, 1, lo, len, o);
 }
 
 /* y[:, o0:o1] += bias, then rounded as the model's dtype (bias may be NULL). */
@@ -231,7 +198,7 @@ int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uin
         max_ctx = lens[k] > max_ctx ? lens[k] : max_ctx;
     const int widest = c.hidden > c.inter ? c.hidden : c.inter;
     const size_t shared = (size_t)m * (c.hidden + c.qkv_out + c.hq * c.d + c.hidden + 2 * c.inter + c.inter);
-    const size_t private_ = (size_t)m * widest + (size_t)c.group * max_ctx + c.d + c.d;
+    const size_t private_ = (size_t)m * widest + (size_t)c.group * max_ctx + c.d;
     float *mem = malloc(sizeof(float) * (shared + private_ * num_threads));
     if (!mem) return NO_MEMORY;
     float *h = mem, *qkv = h + (size_t)m * c.hidden, *attn = qkv + (size_t)m * c.qkv_out;
@@ -249,8 +216,7 @@ int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uin
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         float *xn = private_base + private_ * tid;  /* [m, widest] */
         float *logits = xn + (size_t)m * widest;    /* [group, max_ctx] */
-        float *row = logits + (size_t)c.group * max_ctx;
-        float *cs = row + c.d;                       /* cos | sin of one position: d floats */
+        float *cs = logits + (size_t)c.group * max_ctx;  /* cos | sin of one position: d floats */
         int q0, q1, o0, o1, f0, f1;
         ks_split_rows(c.qkv_out, tid, nt, &q0, &q1);
         ks_split_rows(c.hidden, tid, nt, &o0, &o1);
@@ -293,7 +259,7 @@ int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uin
                 const int lo = (win > 0 && len > win) ? len - win : 0;
                 float *o = attn + ((int64_t)s * c.hq + (int64_t)g * c.group) * c.d;
                 attend(&c, qkv + (int64_t)s * c.qkv_out + (int64_t)g * c.group * c.d, kc, vc,
-                       tables + (int64_t)s * max_blocks, g, lo, len, logits, row, o);
+                       tables + (int64_t)s * max_blocks, g, lo, len, logits, o);
                 if (c.bf16)
                     for (int i = 0; i < c.group * c.d; i++) o[i] = ks_round_bf16(o[i]);
             }

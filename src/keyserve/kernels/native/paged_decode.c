@@ -15,13 +15,15 @@
  *   U          = keyserve/kernels/noise.py's hash of (the row's noise seed and query position,
  *                noise_layer + query head, slot): the same bits as the torch and Triton paths
  * Cache rows: k_cache[(block * block_size + offset) * num_kv_heads + kv_head][head_dim],
- * float32 or bfloat16. Work is split over (sequence, kv-head) pairs with OpenMP.
+ * float32 or bfloat16. The two passes over K and V are attend.h's; work is split over sequences
+ * (or, with few sequences, (sequence, kv head) pairs) with OpenMP.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "attend.h"
 #include "gemv.h"
 #include "vecmath.h"
 
@@ -48,13 +50,6 @@ static inline float noise_uniform(uint32_t row, uint32_t slot) {
     return ((float)(bits >> 9) + 0.5f) * (1.0f / 8388608.0f); /* in (0, 1), exact */
 }
 
-/* Row of (logical slot t) in the cache seen as [rows, head_dim]. */
-static inline int64_t cache_row(const int32_t *table, int t, int block_size, int num_kv_heads,
-                                int kv_head) {
-    int64_t block = table[t / block_size];
-    return (block * block_size + t % block_size) * num_kv_heads + kv_head;
-}
-
 /* noisy[i] = (logits[i] + zeta_i) / tau with zeta = -log(-log U): U from `uniforms` (tests, at
  * index0 + i) or the noise hash of row key `row` at slot slot0 + i. Split in two loops so the
  * logs vectorise. */
@@ -72,108 +67,81 @@ static void gumbel_logits(const float *logits, const float *uniforms, uint32_t r
     }
 }
 
-#define DEFINE_DECODE(NAME, T, ROW)                                                            \
-    static void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *tables, \
-                     int max_blocks, const int32_t *lens, int num_seqs, int num_heads,          \
-                     int num_kv_heads, int head_dim, int block_size, float scale, int window,   \
-                     float *out, int score_mode, const float *tau, const float *uniforms,       \
-                     const int64_t *noise_keys, uint32_t noise_layer, float *scores,            \
-                     int max_ctx, int num_threads) {                                            \
-        const int group = num_heads / num_kv_heads;                                            \
-        _Pragma("omp parallel num_threads(num_threads)") {                                                               \
-            float *logits = malloc(sizeof(float) * (size_t)group * (max_ctx > 0 ? max_ctx : 1)); \
-            float *probs = malloc(sizeof(float) * (size_t)group * (max_ctx > 0 ? max_ctx : 1));  \
-            float *noisy = score_mode == 2 ? malloc(sizeof(float) * (max_ctx > 0 ? max_ctx : 1)) \
-                                           : NULL;                                              \
-            float *row = malloc(sizeof(float) * head_dim);                                      \
-            float *qs = malloc(sizeof(float) * (size_t)group * head_dim);                       \
-            _Pragma("omp for schedule(dynamic, 1)")                                             \
-            for (int task = 0; task < num_seqs * num_kv_heads; task++) {                        \
-                const int s = task / num_kv_heads, kh = task % num_kv_heads;                    \
-                const int len = lens[s];                                                        \
-                const int lo = (window > 0 && len > window) ? len - window : 0;                 \
-                const int n = len - lo;                                                         \
-                const int32_t *table = tables + (int64_t)s * max_blocks;                        \
-                float *o = out + ((int64_t)s * num_heads + (int64_t)kh * group) * head_dim;     \
-                if (n <= 0) {                                                                   \
-                    memset(o, 0, sizeof(float) * (size_t)group * head_dim);                     \
-                    if (score_mode != 0)                                                        \
-                        memset(scores + ((int64_t)s * num_kv_heads + kh) * max_ctx, 0,          \
-                               sizeof(float) * max_ctx);                                        \
-                    continue;                                                                   \
-                }                                                                               \
-                for (int g = 0; g < group; g++)                                                 \
-                    for (int d = 0; d < head_dim; d++)                                          \
-                        qs[g * head_dim + d] =                                                  \
-                            q[((int64_t)s * num_heads + kh * group + g) * head_dim + d];        \
-                for (int t = lo; t < len; t++) {                                                \
-                    const T *kp = k_cache +                                                     \
-                        cache_row(table, t, block_size, num_kv_heads, kh) * head_dim;           \
-                    const float *kr = ROW(kp, row, head_dim);                                   \
-                    for (int g = 0; g < group; g++) {                                           \
-                        const float *qg = qs + g * head_dim;                                    \
-                        float acc = 0.0f;                                                       \
-                        _Pragma("omp simd reduction(+ : acc)")                                  \
-                        for (int d = 0; d < head_dim; d++) acc += qg[d] * kr[d];                \
-                        logits[(int64_t)g * n + (t - lo)] = acc * scale;                        \
-                    }                                                                           \
-                }                                                                               \
-                for (int g = 0; g < group; g++)                                                 \
-                    softmax_into(logits + (int64_t)g * n, probs + (int64_t)g * n, n);           \
-                memset(o, 0, sizeof(float) * (size_t)group * head_dim);                         \
-                for (int t = lo; t < len; t++) {                                                \
-                    const T *vp = v_cache +                                                     \
-                        cache_row(table, t, block_size, num_kv_heads, kh) * head_dim;           \
-                    const float *vr = ROW(vp, row, head_dim);                                   \
-                    for (int g = 0; g < group; g++) {                                           \
-                        const float p = probs[(int64_t)g * n + (t - lo)];                       \
-                        float *og = o + g * head_dim;                                           \
-                        _Pragma("omp simd")                                                     \
-                        for (int d = 0; d < head_dim; d++) og[d] += p * vr[d];                  \
-                    }                                                                           \
-                }                                                                               \
-                if (score_mode == 0) continue;                                                  \
-                float *sc = scores + ((int64_t)s * num_kv_heads + kh) * max_ctx;                \
-                memset(sc, 0, sizeof(float) * max_ctx);                                         \
-                for (int g = 0; g < group; g++) {                                               \
-                    const float *p = probs + (int64_t)g * n;                                    \
-                    if (score_mode == 2) {                                                      \
-                        const int64_t h = (int64_t)s * num_heads + kh * group + g;              \
-                        const uint32_t key = uniforms ? 0u : noise_row(                         \
-                            (uint32_t)noise_keys[2 * s], noise_layer + (uint32_t)(kh * group + g), \
-                            (uint32_t)noise_keys[2 * s + 1]);                                   \
-                        gumbel_logits(logits + (int64_t)g * n, uniforms, key,                   \
-                                      h * max_ctx + lo, lo, 1.0f / tau[s], noisy, n);           \
-                        softmax_into(noisy, noisy, n);                                          \
-                        p = noisy;                                                              \
-                    }                                                                           \
-                    for (int i = 0; i < n; i++) sc[lo + i] += p[i];                             \
-                }                                                                               \
-            }                                                                                   \
-            free(logits);                                                                       \
-            free(probs);                                                                        \
-            free(noisy);                                                                        \
-            free(row);                                                                          \
-            free(qs);                                                                           \
-        }                                                                                       \
+/* Scores of one (sequence s, kv head kh) from its group's logits/probs ([group, n] each):
+ * sc[lo + i] = sum over the group's heads of softmax (H2O) or the noisy softmax (Keyformer). */
+static void group_scores(const float *logits, const float *probs, int group, int n, int lo,
+                         int s, int kh, int num_heads, int score_mode, const float *tau,
+                         const float *uniforms, const int64_t *noise_keys, uint32_t noise_layer,
+                         int max_ctx, float *noisy, float *sc) {
+    memset(sc, 0, sizeof(float) * max_ctx);
+    for (int g = 0; g < group; g++) {
+        const float *p = probs + (int64_t)g * n;
+        if (score_mode == 2) {
+            const int64_t h = (int64_t)s * num_heads + kh * group + g;
+            const uint32_t key = uniforms ? 0u : noise_row((uint32_t)noise_keys[2 * s],
+                                                           noise_layer + (uint32_t)(kh * group + g),
+                                                           (uint32_t)noise_keys[2 * s + 1]);
+            gumbel_logits(logits + (int64_t)g * n, uniforms, key, h * max_ctx + lo, lo, 1.0f / tau[s],
+                          noisy, n);
+            softmax_into(noisy, noisy, n);
+            p = noisy;
+        }
+        for (int i = 0; i < n; i++) sc[lo + i] += p[i];
     }
-
-/* A cache row as float32 in buf (float32 rows copied too: reading the cache in place measured
- * ~1.8x slower here, as the compiler must then assume the row may alias the outputs). */
-static inline const float *row_f32(const float *src, float *buf, int n) {
-#pragma omp simd
-    for (int d = 0; d < n; d++) buf[d] = src[d];
-    return buf;
 }
 
-static inline const float *row_bf16(const uint16_t *src, float *buf, int n) {
-#pragma omp simd
-    for (int d = 0; d < n; d++) buf[d] = ks_bf16_to_f32(src[d]);
-    return buf;
+/* The kernel. Work items are (sequence, run of kv heads): with enough sequences to keep every
+ * thread busy a sequence's kv heads go together, so each slot's rows (every kv head's, one
+ * contiguous stretch) are read once, front to back; with few sequences (batch 1) one item per
+ * kv head spreads the work over the threads. */
+static void decode(const float *q, const void *k_cache, const void *v_cache, int cdt,
+                   const int32_t *tables, int max_blocks, const int32_t *lens, int num_seqs,
+                   int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                   int window, float *out, int score_mode, const float *tau, const float *uniforms,
+                   const int64_t *noise_keys, uint32_t noise_layer, float *scores, int max_ctx,
+                   int num_threads) {
+    const int group = num_heads / num_kv_heads;
+    const int heads = num_seqs >= 4 * num_threads ? num_kv_heads : 1; /* kv heads per item */
+    const int per_seq = num_kv_heads / heads;
+    const size_t ctx = max_ctx > 0 ? (size_t)max_ctx : 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *logits = malloc(sizeof(float) * (size_t)heads * group * ctx);
+        float *probs = malloc(sizeof(float) * (size_t)heads * group * ctx);
+        float *noisy = score_mode == 2 ? malloc(sizeof(float) * ctx) : NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < num_seqs * per_seq; task++) {
+            const int s = task / per_seq, kh0 = (task % per_seq) * heads;
+            const int len = lens[s];
+            const int lo = (window > 0 && len > window) ? len - window : 0;
+            const int n = len - lo;
+            const int hq = heads * group;
+            float *o = out + ((int64_t)s * num_heads + (int64_t)kh0 * group) * head_dim;
+            if (n <= 0) {
+                memset(o, 0, sizeof(float) * (size_t)hq * head_dim);
+                if (score_mode != 0)
+                    memset(scores + ((int64_t)s * num_kv_heads + kh0) * max_ctx, 0,
+                           sizeof(float) * (size_t)heads * max_ctx);
+                continue;
+            }
+            const ks_kv_view kv = {k_cache, v_cache, cdt, tables + (int64_t)s * max_blocks,
+                                   block_size, num_kv_heads, kh0, head_dim};
+            ks_attend_logits(&kv, q + ((int64_t)s * num_heads + (int64_t)kh0 * group) * head_dim,
+                             group, heads, lo, len, scale, logits);
+            for (int j = 0; j < hq; j++) softmax_into(logits + (int64_t)j * n, probs + (int64_t)j * n, n);
+            ks_attend_values(&kv, probs, group, heads, lo, len, o);
+            if (score_mode == 0) continue;
+            for (int h = 0; h < heads; h++)
+                group_scores(logits + (int64_t)h * group * n, probs + (int64_t)h * group * n, group, n,
+                             lo, s, kh0 + h, num_heads, score_mode, tau, uniforms, noise_keys,
+                             noise_layer, max_ctx, noisy,
+                             scores + ((int64_t)s * num_kv_heads + kh0 + h) * max_ctx);
+        }
+        free(logits);
+        free(probs);
+        free(noisy);
+    }
 }
-
-DEFINE_DECODE(decode_f32, float, row_f32)
-DEFINE_DECODE(decode_bf16, uint16_t, row_bf16)
 
 /* Entry point (ctypes). cache_dtype: 0 = float32, 1 = bfloat16. score_mode: 0 none,
  * 1 softmax, 2 gumbel. uniforms may be NULL (then U is the noise hash of noise_keys [num_seqs,
@@ -192,16 +160,9 @@ void keyserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
     }
     if ((int64_t)num_seqs * num_kv_heads * max_ctx < parallel_min_rows) num_threads = 1;
     if (num_threads < 1) num_threads = 1;
-    if (cache_dtype == 1)
-        decode_bf16(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, tables, max_blocks,
-                    lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window,
-                    out, score_mode, tau, uniforms, noise_keys, noise_layer, scores, max_ctx,
-                    num_threads);
-    else
-        decode_f32(q, (const float *)k_cache, (const float *)v_cache, tables, max_blocks, lens,
-                   num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, out,
-                   score_mode, tau, uniforms, noise_keys, noise_layer, scores, max_ctx,
-                   num_threads);
+    decode(q, k_cache, v_cache, cache_dtype == 1 ? KS_BF16 : KS_F32, tables, max_blocks, lens,
+           num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, out, score_mode,
+           tau, uniforms, noise_keys, noise_layer, scores, max_ctx, num_threads);
 }
 
 /* Keyformer's Gumbel noise zeta = -log(-log U) for one sequence's chunk of queries (the CPU

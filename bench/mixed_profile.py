@@ -1,0 +1,122 @@
+"""Where 64 mixed requests spend their time: every engine step timed by its kind.
+
+The peer bench's many-request row (issue 18: >= 5x transformers' padded batches) is the sum
+of three very different kinds of step: prefill/mixed chunks (GEMM-bound), decode-only steps
+of at most ``MAX_ROWS`` rows (the native one-call step) and decode-only steps of more rows.
+This runs the same requests (``bench/workloads.py``, same seed) through the in-process engine
+and reports each kind's count, time, tokens and time per step, so the work goes where the time
+is. A torch profile of a few steps of the slowest kind names the ops (``--torch-profile``).
+
+    python bench/mixed_profile.py [--dtype bfloat16] [--threads 2] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.report import markdown_table, update_section  # noqa: E402
+from bench.workloads import mixed_requests  # noqa: E402
+
+from keyserve.config import EngineConfig  # noqa: E402
+from keyserve.core.sampling_params import SamplingParams  # noqa: E402
+from keyserve.engine.llm_engine import LLMEngine  # noqa: E402
+from keyserve.kernels.native.gemv import MAX_ROWS  # noqa: E402
+
+
+def step_kind(step) -> tuple[str, int, int]:  # noqa: ANN001 - a StepInput
+    """(kind, prompt tokens, decode rows) of one scheduled step."""
+    prompt = rows = 0
+    for item in step.items:
+        if item.sample_seq_ids and item.num_new_tokens == 1 and item.start > 0 and not item.verifies:
+            rows += 1
+        else:
+            prompt += item.num_new_tokens
+    if prompt:
+        return "prefill / mixed", prompt, rows
+    return (f"decode, <= {MAX_ROWS} rows" if rows <= MAX_ROWS else f"decode, > {MAX_ROWS} rows"), 0, rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--torch-profile", type=int, default=0, help="torch-profile this many steps of the slowest kind")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    engine = LLMEngine(EngineConfig.from_flat(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                                              kv_cache_memory_gb=4.0))
+    reqs = mixed_requests(engine.tokenizer, num=args.num_requests)
+    # warm-up: one short request through prefill and a few decode steps
+    engine.add_request("warm", SamplingParams(max_tokens=8, ignore_eos=True), prompt_token_ids=reqs[0].prompt_token_ids[:64])
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i, r in enumerate(reqs):
+        engine.add_request(f"r{i}", SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
+                           prompt_token_ids=r.prompt_token_ids)
+    acc: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])  # steps, seconds, prompt tokens, rows
+    load = os.getloadavg()[0]
+    bar = tqdm(total=sum(r.max_tokens for r in reqs), desc=f"{args.dtype} mixed", unit="tok")
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        step = engine._running_step
+        if step is None or step.is_empty:
+            continue
+        kind, prompt, rows = step_kind(step)
+        a = acc[kind]
+        a[0] += 1
+        a[1] += dt
+        a[2] += prompt
+        a[3] += rows
+        bar.update(rows)
+    total = time.perf_counter() - start
+    bar.close()
+    out_tokens = sum(r.max_tokens for r in reqs)
+    rows = [[k, int(a[0]), round(a[1], 2), int(a[2]), int(a[3]), round(1000 * a[1] / max(a[0], 1), 1),
+             round(100 * a[1] / total, 1)] for k, a in sorted(acc.items())]
+    table = markdown_table(["step kind", "steps", "seconds", "prompt tokens", "decode rows", "ms / step", "% of time"],
+                           rows)
+    summary = (f"{args.num_requests} requests, {sum(len(r.prompt_token_ids) for r in reqs)} prompt and {out_tokens} "
+               f"generated tokens in {total:.1f} s = **{out_tokens / total:.1f} useful tok/s** ({args.dtype}, "
+               f"{args.threads} threads, load {load:.2f} before, {os.getloadavg()[0]:.2f} after)")
+    print(table)
+    print(summary)
+    if args.torch_profile:
+        profile_slowest(engine, reqs, acc, args.torch_profile)
+    if not args.no_write:
+        update_section(f"mixed_profile_{args.dtype}", f"Where 64 mixed requests spend their time ({args.dtype})",
+                       f"{summary}\n\n{table}\n")
+
+
+def profile_slowest(engine: LLMEngine, reqs, acc, n: int) -> None:  # noqa: ANN001
+    """A torch profile of ``n`` steps with 64 decode rows (every request in decode)."""
+    for i, r in enumerate(reqs):
+        engine.add_request(f"p{i}", SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True),
+                           prompt_token_ids=r.prompt_token_ids)
+    while True:
+        engine.step()
+        step = engine._running_step
+        if step is not None and step_kind(step)[0].startswith("decode") and len(step.items) == len(reqs):
+            break
+    with torch.profiler.profile() as prof:
+        for _ in range(n):
+            engine.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
