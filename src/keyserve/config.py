@@ -197,6 +197,10 @@ class ParallelConfig(_Strict):
     collective_timeout_s: float = Field(
         120.0, gt=0.0, description="torch.distributed timeout (a dead peer fails a step after this)."
     )
+    compiled_graph: bool = Field(
+        True, description="Run each step as one Ray Compiled Graph (KV-block manager -> draft -> "
+        "target shards, shared-memory channels, compiled once); false: plain actor calls from the driver."
+    )
 
     @property
     def uses_ray(self) -> bool:

@@ -17,6 +17,10 @@ class CoreLost(RuntimeError):
     """The KV-block manager actor died or restarted: give it the unfinished work again."""
 
 
+class DraftLost(RuntimeError):
+    """The draft actor died inside a compiled step: the step never ran; decode without it."""
+
+
 ACTOR_LOST = (RayActorError,)  # ActorDiedError and ActorUnavailableError derive from it
 
 

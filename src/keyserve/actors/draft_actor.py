@@ -10,10 +10,12 @@ placed on another node than the target group (``ParallelConfig.draft_resources``
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import ray
 import torch
+from ray.exceptions import RayError
 
 from keyserve.actors.common import ACTOR_LOST, kill_actor, new_incarnation
 from keyserve.config import ParallelConfig
@@ -21,6 +23,9 @@ from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import Sequence
 from keyserve.engine import build
 from keyserve.engine.drafter import DraftBudget, Proposal
+from keyserve.engine.step_input import StepInput, attach_drafts
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,6 +63,7 @@ class DraftTokens:
     num_draft: torch.Tensor  # [num_seqs] int64
     incarnation: str
     resync: bool = False  # the actor restarted: nothing proposed, send full tokens again
+    failed: bool = False  # drafting raised: nothing proposed, the shadows were dropped
 
 
 class DraftActor:
@@ -83,8 +89,41 @@ class DraftActor:
     def propose(self, batch: DraftBatch) -> tuple[DraftTokens, torch.Tensor | None]:
         self.release(batch.released)
         if batch.incarnation not in (None, self.incarnation):
-            return DraftTokens(torch.zeros(0, 0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
-                               self.incarnation, resync=True), None
+            return self._nothing(resync=True), None
+        targets = self._sync(batch)
+        proposal = self.worker.propose(targets, [e.num_draft for e in batch.entries])
+        return DraftTokens(proposal.token_ids, proposal.num_draft, self.incarnation), proposal.probs
+
+    def graph_propose(
+        self, step: StepInput | None, batch: DraftBatch,
+    ) -> tuple[StepInput | None, torch.Tensor | None, DraftTokens]:
+        """The compiled step's draft node: bring the shadows of ``batch`` up to date, draft for
+        the items the KV-block manager reserved lookahead for, and write the drafts into the
+        step the shards read. Returns the step, the draft probabilities (rank 0 reads them;
+        [num_verify, max_draft, vocab]) and the tokens (the engine reads them)."""
+        self.release(batch.released)
+        if batch.incarnation not in (None, self.incarnation):
+            return step, None, self._nothing(resync=True)
+        verify = [it for it in step.items if it.num_lookahead] if step is not None else []
+        try:
+            targets = {t.seq_id: t for t in self._sync(batch)}
+            if not verify:
+                return step, None, self._nothing()
+            proposal = self.worker.propose([targets[it.seq_id] for it in verify],
+                                           [it.num_lookahead for it in verify])
+        except Exception:  # noqa: BLE001 — the step decodes without drafts (as in LLMEngine._propose)
+            log.warning("drafting failed; this step decodes without drafts", exc_info=True)
+            self.release([e.seq_id for e in batch.entries])
+            return step, None, self._nothing(failed=True)
+        attach_drafts(verify, proposal.token_ids, proposal.num_draft)
+        return step, proposal.probs, DraftTokens(proposal.token_ids, proposal.num_draft, self.incarnation)
+
+    def _nothing(self, resync: bool = False, failed: bool = False) -> DraftTokens:
+        return DraftTokens(torch.zeros(0, 0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                           self.incarnation, resync=resync, failed=failed)
+
+    def _sync(self, batch: DraftBatch) -> list[Sequence]:
+        """The actor's shadow of each entry's target sequence, brought up to the engine's tokens."""
         targets = []
         for entry in batch.entries:
             target = self.targets.get(entry.seq_id)
@@ -99,8 +138,7 @@ class DraftActor:
                 del target.output_token_ids[max(0, entry.base - n) :]
                 target.output_token_ids.extend(entry.tail[max(0, n - entry.base) :])
             targets.append(target)
-        proposal = self.worker.propose(targets, [e.num_draft for e in batch.entries])
-        return DraftTokens(proposal.token_ids, proposal.num_draft, self.incarnation), proposal.probs
+        return targets
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
@@ -153,9 +191,18 @@ class RemoteDrafter:
         self._released.clear()
         return True
 
-    def _lost(self) -> None:
+    def lost(self) -> None:
+        """Propose nothing until the actor answers ``ready`` again (restarted or recreated)."""
         self.num_losses += 1
         self._ready_ref = self.actor.ready.remote()
+
+    def restarted(self, timeout_s: float) -> bool:
+        """Whether the actor is gone, silent for ``timeout_s``, or another incarnation."""
+        try:
+            incarnation, _ = ray.get(self.actor.ready.remote(), timeout=timeout_s)
+        except RayError:
+            return True
+        return incarnation != self.incarnation
 
     def propose(self, targets: list[Sequence], num_draft: list[int]) -> Proposal:
         for _ in range(2):  # a second time only after the actor was found restarted
@@ -164,7 +211,7 @@ class RemoteDrafter:
                 tokens_ref, probs_ref = self.actor.propose.options(num_returns=2).remote(batch)
                 tokens: DraftTokens = ray.get(tokens_ref)
             except ACTOR_LOST:
-                self._lost()
+                self.lost()
                 break
             if not tokens.resync:
                 for seq in targets:
@@ -187,6 +234,23 @@ class RemoteDrafter:
             entries.append(DraftEntry(seq.seq_id, base, seq.token_ids[base:], n))
         released, self._released = self._released, []
         return DraftBatch(entries, infos, released, self.incarnation)
+
+    def graph_batch(self, targets: list[Sequence]) -> DraftBatch:
+        """A compiled step's draft input: the new tokens of every sequence that may draft
+        (the KV-block manager picks which do, in the same step)."""
+        return self._batch(targets, [0] * len(targets))
+
+    def graph_done(self, tokens: DraftTokens, targets: list[Sequence]) -> None:
+        """What the draft node answered for ``graph_batch(targets)``: the shadows it now holds."""
+        if tokens.resync:
+            self.incarnation = tokens.incarnation
+            self._seen.clear()
+        elif tokens.failed:
+            for seq in targets:
+                self._seen.pop(seq.seq_id, None)
+        else:
+            for seq in targets:
+                self._seen[seq.seq_id] = seq.num_tokens
 
     def release(self, seq: Sequence) -> None:
         """Sent with the next proposal (no round trip of its own)."""

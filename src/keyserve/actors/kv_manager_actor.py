@@ -10,7 +10,10 @@ model-side ops a commit produces (forks, compactions, releases) ride in that ``S
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import ray
+from ray.exceptions import RayError
 
 from keyserve.actors.common import ACTOR_LOST, CoreLost, kill_actor, new_incarnation
 from keyserve.config import ParallelConfig
@@ -60,6 +63,21 @@ class KVManagerActor:
             step.ops, self.ops = self.ops + step.ops, []
         return CoreReply(step, seq_stats=stats), self.core.stats()
 
+    def graph_step(
+        self, request: "CoreRequest",
+    ) -> tuple[StepInput | None, tuple[CoreReply, CoreStats] | None]:
+        """The compiled step's first node: ``step`` with the engine's queued commands, the
+        step split off for the model side (the draft actor or the shards read it) from the rest
+        for the engine. (None, None): this actor restarted (see ``step``)."""
+        answer = self.step(request.commands, True, request.lookahead, request.incarnation)
+        if answer is None:
+            return None, None
+        reply, stats = answer
+        step, reply.step = reply.step, None
+        if step is not None and request.runner_ops:
+            step.ops = request.runner_ops + step.ops
+        return step, (reply, stats)
+
     def _run(self, command: Command) -> CoreReply:
         kind = command[0]
         if kind == "add":
@@ -80,6 +98,17 @@ class KVManagerActor:
     def check_consistent(self) -> CoreStats:
         self.core.check_consistent()
         return self.core.stats()
+
+
+@dataclass
+class CoreRequest:
+    """What the engine sends the KV-block manager per compiled step (``KVManagerActor.step``'s
+    arguments, plus model-side ops the engine holds, which ride in the step)."""
+
+    commands: list[Command]
+    lookahead: dict[int, int] | None
+    incarnation: str | None
+    runner_ops: list[RunnerOp] = field(default_factory=list)
 
 
 def core_copy(seq: Sequence) -> Sequence:
@@ -144,13 +173,32 @@ class RemoteCore:
         try:
             answer = ray.get(self.actor.step.remote(commands, schedule, lookahead, self.incarnation))
         except ACTOR_LOST as e:
-            self.num_losses += 1
-            raise CoreLost(f"the KV-block manager died: {e}") from e
+            raise self.lost(f"the KV-block manager died: {e}") from e
+        return self.answer(answer)
+
+    def request(self, lookahead: dict[int, int] | None, runner_ops: list[RunnerOp]) -> CoreRequest:
+        """The queued commands as a compiled step's input (``KVManagerActor.graph_step``)."""
+        commands, self.commands = self.commands, []
+        return CoreRequest(commands, lookahead, self.incarnation, runner_ops)
+
+    def answer(self, answer: tuple[CoreReply, CoreStats] | None) -> CoreReply:
+        """The actor's answer to a step (plain call or compiled graph); raises ``CoreLost``
+        if the actor restarted and holds none of the engine's requests."""
         if answer is None:
-            self.num_losses += 1
-            raise CoreLost("the KV-block manager restarted and lost its state")
+            raise self.lost("the KV-block manager restarted and lost its state")
         reply, self.last_stats = answer
         return reply
+
+    def lost(self, why: str) -> CoreLost:
+        self.num_losses += 1
+        return CoreLost(why)
+
+    def restarted(self, timeout_s: float) -> bool:
+        """Whether the actor is gone or answers as another incarnation (a fresh, empty core)."""
+        try:
+            return ray.get(self.actor.ready.remote(), timeout=timeout_s) != self.incarnation
+        except RayError:
+            return True
 
     def flush(self) -> dict[int, SeqStat]:
         """Send queued commands now (an idle engine: free finished requests' blocks)."""

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from keyserve.actors.common import CoreLost, ShardLost, ensure_ray
+from keyserve.actors.common import CoreLost, DraftLost, ShardLost, alive, ensure_ray
 from keyserve.actors.draft_actor import DraftActorArgs, RemoteDrafter
 from keyserve.actors.kv_manager_actor import RemoteCore
+from keyserve.actors.step_graph import StepGraph, actor_key, graph_key, lost_actor
 from keyserve.actors.target_group import TargetGroup, worker_gpus
 from keyserve.actors.target_shard_actor import ShardArgs, check_tp_fits
 from keyserve.config import EngineConfig
@@ -39,13 +40,15 @@ class RayEngine(LLMEngine):
 
     # A lost shard or KV-block manager is recovered in ``step`` below (every request is
     # recomputed from its tokens); any other failure is isolated by ``LLMEngine.step``.
-    engine_faults = (ShardLost, CoreLost)
+    engine_faults = (ShardLost, CoreLost, DraftLost)
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
         self.group: TargetGroup | None = None
         self.drafter_client: RemoteDrafter | None = None
         self.core_client: RemoteCore | None = None
+        self._graph: StepGraph | None = None
+        self.num_graph_compiles = 0
         try:
             parts = self._remote_parts(config)
         except BaseException:
@@ -105,10 +108,85 @@ class RayEngine(LLMEngine):
             assert self.core_client is not None
             self.core_client.recover(self._unfinished())
             return []
+        except DraftLost as e:  # the step it was part of never ran: recompute, without drafts
+            self._recovered(e)
+            assert self.core_client is not None
+            self.core_client.reset_model_side()
+            return []
         self._failures = 0
         if not self.requests:
             self.flush()
         return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        if not self.config.parallel.compiled_graph:
+            return super()._step()
+        return self._graph_step()
+
+    def _graph_step(self) -> list[RequestOutput]:
+        """``LLMEngine._step`` as one execution of the compiled step graph: schedule, propose
+        and verify run actor to actor; the driver submits, reads, and runs its stop checks."""
+        assert self.group is not None and self.core_client is not None
+        drafter = self.drafter_client
+        speculate = drafter is not None and drafter.available
+        lookahead = self._lookahead() if speculate else None
+        targets = [self._seqs[seq_id] for seq_id in lookahead] if lookahead else []
+        batch = drafter.graph_batch(targets) if speculate else None
+        request = self.core_client.request(lookahead, self.group.take_ops())
+        try:
+            result = self._graph_for(speculate).run(request, batch)
+        except Exception as e:  # noqa: BLE001 — which actor, if any, is lost decides
+            raise self._diagnose(e) from e
+        if result.drafts is not None:
+            drafter.graph_done(result.drafts, targets)
+        reply = self.core_client.answer(result.answer)
+        self._apply_seq_stats(reply.seq_stats)
+        step = self._running_step = result.step
+        self.last_step_empty = step is None or step.is_empty
+        if step is None or step.is_empty or result.output is None:
+            return []
+        self.num_steps += 1
+        return self._accept(step, result.output)
+
+    def _graph_for(self, speculate: bool) -> StepGraph:
+        """The graph over the current actors (compiled again only when one was replaced, or
+        the draft left or came back)."""
+        assert self.group is not None and self.core_client is not None
+        if not self.group.workers:
+            raise ShardLost("the target group is being replaced")
+        draft = self.drafter_client.actor if speculate and self.drafter_client is not None else None
+        key = graph_key(self.core_client.actor, self.group.workers, draft)
+        if self._graph is None or self._graph.key != key:
+            self._drop_graph()
+            timeout = self.config.parallel.collective_timeout_s + 60.0
+            self._graph = StepGraph(self.core_client.actor, self.group.workers, draft, timeout)
+            self.num_graph_compiles += 1
+        return self._graph
+
+    def _drop_graph(self) -> None:
+        if self._graph is not None:
+            self._graph.teardown()
+            self._graph = None
+
+    def _diagnose(self, error: Exception) -> Exception:
+        """A compiled step failed: tear the graph down and name the lost actor (``ShardLost``,
+        ``CoreLost``, ``DraftLost``), or return ``error`` itself if every actor is there."""
+        in_graph = self._graph is not None and self._graph.has_draft
+        self._drop_graph()
+        if isinstance(error, self.engine_faults):
+            return error
+        assert self.group is not None and self.core_client is not None
+        if not alive(self.group.workers):
+            return ShardLost(f"a target shard died: {error}")
+        if self.core_client.restarted(timeout_s=60.0):
+            return self.core_client.lost(f"the KV-block manager was lost: {error}")
+        drafter = self.drafter_client
+        if drafter is not None and in_graph and (
+            lost_actor(error) == actor_key(drafter.actor) or drafter.restarted(timeout_s=5.0)
+        ):
+            drafter.lost()
+            return DraftLost(f"the draft actor was lost: {error}")
+        return error
 
     def _recovered(self, error: Exception) -> None:
         self._failures += 1
@@ -146,6 +224,7 @@ class RayEngine(LLMEngine):
         return self.core_client.check_consistent()
 
     def shutdown(self) -> None:
+        self._drop_graph()
         for part in (self.group, self.drafter_client, self.core_client):
             if part is not None:
                 part.shutdown()

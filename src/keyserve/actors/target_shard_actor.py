@@ -98,6 +98,18 @@ class TargetShardActor:
         assert self.runner is not None, "setup() first"
         return self.runner.execute(step, draft_probs)
 
+    def graph_execute(
+        self,
+        step: StepInput | None,
+        draft_probs: torch.Tensor | None = None,  # [num_verify, max_draft, vocab], rank 0 only
+    ) -> StepOutput | None:
+        """The compiled step's shard node: nothing when the KV-block manager scheduled nothing;
+        only rank 0 answers (the others' output is empty)."""
+        if step is None:
+            return None
+        out = self.execute(step, draft_probs)
+        return out if self.rank == 0 else None
+
     def ready(self) -> bool:
         return True
 

@@ -29,7 +29,7 @@ from keyserve.engine.kv_budget.resolve import request_budget
 from keyserve.engine.kv_core import KVCore, SeqStat
 from keyserve.engine.outputs import CompletionOutput, RequestOutput, RequestStats
 from keyserve.engine.stats import EngineStats
-from keyserve.engine.step_input import ForkOp, StepInput, StepOutput
+from keyserve.engine.step_input import ForkOp, StepInput, StepOutput, attach_drafts
 from keyserve.model.loader import LoadedModel
 
 __all__ = ["InvalidParamError", "LLMEngine", "PromptTooLongError", "RequestFailedError", "StepFailedError"]
@@ -300,10 +300,7 @@ class LLMEngine:
             for seq in targets:  # their mirrors may be half-updated: re-synced from scratch
                 self.drafter.release(seq)
             return None
-        for row, item in enumerate(verify):
-            n = int(proposal.num_draft[row])
-            item.draft_token_ids = proposal.token_ids[row, :n].tolist()
-            item.draft_row = row
+        attach_drafts(verify, proposal.token_ids, proposal.num_draft)
         return proposal.probs
 
     def _accept(self, step: StepInput, out: StepOutput) -> list[RequestOutput]:

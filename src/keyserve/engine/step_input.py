@@ -158,3 +158,17 @@ def describe_failure(what: str, error: BaseException) -> str:
     """Why a sequence failed (``StepOutput.failed``), for its request's error message."""
     text = f"{what} failed: {type(error).__name__}: {error}"
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def attach_drafts(
+    verify: list[StepItem],
+    token_ids: torch.Tensor,  # [len(verify), max_draft] int64
+    num_draft: torch.Tensor,  # [len(verify)] int64
+) -> None:
+    """Write a proposal into the items it was made for (row i -> ``verify[i]``): the engine
+    and, on Ray, the draft actor of a compiled step fill their copies of the step alike."""
+    counts = num_draft.tolist()
+    rows = token_ids.tolist()
+    for row, item in enumerate(verify):
+        item.draft_token_ids = rows[row][: counts[row]]
+        item.draft_row = row
