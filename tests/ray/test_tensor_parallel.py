@@ -1,7 +1,8 @@
 """Tensor parallelism on a real Ray cluster (gloo, float32): N shards give the same greedy
 tokens as one process and logits within 1e-4. stories260K (8 q / 4 kv heads) at TP = 2 and
-TP = 4; SmolLM2-135M-Instruct (9 q / 3 kv heads) at TP = 3. Sizes that do not fit the heads
-fail with a message that names the dimension."""
+TP = 4; SmolLM2-135M-Instruct (9 q / 3 kv heads) at TP = 3. Every KV-budget policy at TP = 2
+gives the one-process tokens and eviction counts. Sizes that do not fit the heads fail with a
+message that names the dimension."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import pytest
 import torch
 from drive import greedy_with_logits
 
+from keyserve import LLM, SamplingParams
 from keyserve.actors.target_group import TargetGroup
 from keyserve.actors.target_shard_actor import ShardArgs, check_tp_fits
 from keyserve.config import ParallelConfig
 from keyserve.engine.model_runner import ModelRunner
+from keyserve.llm import RayLLM
 from keyserve.model.config import ModelConfig
 from keyserve.model.kv_cache import allocate_kv_cache
 from keyserve.model.loader import load_model, resolve_model_dir
@@ -68,6 +71,32 @@ def test_smollm2_tp3_equals_one_process() -> None:
     """30 layers of three-way all-reduces: logits of magnitude ~20 agree to 1e-4 plus float32
     noise of 1e-5 relative (observed: one logit in 884736 off by 1.01e-4, relative 6e-6)."""
     _check(str(resolve_model_dir(None, progress=False)), [3], max_tokens=6, rtol=1e-5)
+
+
+def test_every_kv_budget_policy_at_tp2_equals_one_process(stories_path: str) -> None:
+    """Each rank holds 2 of stories260K's 4 kv heads and evicts for them alone; the tokens, and
+    the tokens held and evicted, equal one process's for every policy, greedy and sampled.
+    Keyformer's noise is keyed by the global query head, so the ranks draw what one process
+    draws for those heads: keying it by the rank-local head (``first_head`` 0 in
+    ``kernels/attention.py``) fails the Keyformer rows' log-probabilities (seen by hand; their
+    tokens happen to survive it)."""
+    prompts = [p * 3 for p in PROMPTS]  # long enough for 0.3 of it to evict many tokens
+    params = [SamplingParams(max_tokens=24, temperature=t, seed=s, ignore_eos=True, kv_policy=policy,
+                             kv_budget=budget, recent_ratio=0.3, logprobs=True)
+              for policy in ("window", "streaming_llm", "h2o", "keyformer")
+              for t, s, budget in ((0.0, 3, 0.3), (0.8, 4, 12))]
+    prompts = [prompts[i % len(prompts)] for i in range(len(params))]
+    options = dict(num_blocks=NUM_BLOCKS * 2, block_size=8)
+    want = LLM(stories_path, **options).generate(prompts, params)
+    with RayLLM(stories_path, tensor_parallel_size=2, worker_threads=1, **options) as ray_llm:
+        got = ray_llm.generate(prompts, params)
+    for w, g, p in zip(want, got, params, strict=True):
+        assert g.token_ids == w.token_ids, (p.kv_policy, p.temperature)
+        # Another eviction in any (layer, head) moves the log-probabilities far more than this.
+        torch.testing.assert_close(torch.tensor(g.outputs[0].logprobs), torch.tensor(w.outputs[0].logprobs),
+                                   atol=1e-4, rtol=0, msg=lambda m: f"{p.kv_policy}: {m}")
+        assert g.stats.kv_tokens_held == w.stats.kv_tokens_held
+        assert g.stats.kv_tokens_evicted == w.stats.kv_tokens_evicted > 10
 
 
 def test_sizes_that_do_not_fit_name_the_dimension(stories_path: str) -> None:
