@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from keyserve.kernels.attention import paged_attention
+from keyserve.kernels.native import elementwise as native_elementwise
 from keyserve.kernels.native import gemv as native_gemv
 from keyserve.kernels.native import library as native_library
 from keyserve.kernels.native.decode_stack import LayerWeights, NativeDecodeStack
@@ -107,7 +108,10 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if native_elementwise.supports(gate_up):  # one pass (kernels/native/elementwise.c)
+            return self.down_proj(native_elementwise.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -133,8 +137,8 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, LayerScores | None]:  # [n, hidden], this layer's attention scores
         attn, scores = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        h = h + attn
-        return h + self.mlp(self.post_attention_layernorm(h)), scores
+        h, x = self.post_attention_layernorm.add_forward(h, attn)
+        return h + self.mlp(x), scores
 
 
 class LlamaModel(nn.Module):

@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from keyserve.kernels.native import elementwise as native_elementwise
 from keyserve.model.config import RopeConfig
 
 
@@ -134,6 +135,8 @@ def apply_rotary(
     ``rotate_half(x) * [s, s]`` is ``[-x2 * s, x1 * s]`` = ``swap_halves(x) * [-s, s]`` exactly
     (negation is exact), so the result is bit-identical to transformers'.
     """
+    if native_elementwise.rotary_supports(x, cos, sin):  # one pass (kernels/native/elementwise.c)
+        return native_elementwise.rotary(x, cos, sin)
     n, h, d = x.shape
     swapped = x.reshape(n, h, 2, d // 2).flip(2).reshape(n, h, d)
     return x * cos + swapped * sin

@@ -26,7 +26,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode.c", "skinny_linear.c", "gemv.c", "decode_stack.c")
+SOURCES = ("paged_decode.c", "skinny_linear.c", "gemv.c", "decode_stack.c", "elementwise.c")
 HEADERS = ("attend.h", "gemv.h", "vecmath.h")  # included by the sources: part of the cache key
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
@@ -127,6 +127,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.keyserve_gemv.argtypes = [p, i, i, p, i, p, i, p, i, i]
     lib.keyserve_read_stream.restype = ctypes.c_double
     lib.keyserve_read_stream.argtypes = [p, i64, i]
+    lib.keyserve_add_rms_norm.restype = None
+    lib.keyserve_add_rms_norm.argtypes = [p, p, p, p, p, i64, i, f, i, i]
+    lib.keyserve_silu_mul.restype = None
+    lib.keyserve_silu_mul.argtypes = [p, p, i64, i, i, i]
+    lib.keyserve_rotary.restype = None
+    lib.keyserve_rotary.argtypes = [p, i64, p, p, p, i64, i, i, i, i]
     lib.keyserve_decode_stack.restype = i
     lib.keyserve_decode_stack.argtypes = [
         p, f, f, p, p, p, p, p, i, p, p, p, i64, i, i, p, i, p, i64, i, p, i,
