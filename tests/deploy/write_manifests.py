@@ -32,7 +32,8 @@ RAYSERVICE_HEADER = """\
 #                       name: keyserve-api-key
 #                       key: api-key
 # For GPUs, use the chart (ci/single-gpu.yaml, ci/tp4-gpu.yaml) or add `nvidia.com/gpu: 1` to
-# the worker's requests and limits, `num_gpus: 1` to the args and the image tag `0.1.0-cuda`.
+# the worker's requests and limits and use the image tag `0.1.0-cuda` (the replica runs the Ray
+# engine's front; its target shard actors reserve the GPUs).
 """
 
 RAYJOB_HEADER = """\

@@ -36,12 +36,11 @@ key never appears here: it reaches every Ray container as env KEYSERVE_API_KEY.
 {{- toYaml (mergeOverwrite $args (deepCopy ($v.serve.extraArgs | default dict))) }}
 {{- end }}
 
-{{/* GPUs each Serve replica reserves: serve.numGpus, else 1 for an in-process GPU engine
-     (tensor-parallel size 1 on GPU workers), else 0 (tensor-parallel shards reserve their own). */}}
+{{/* GPUs each Serve replica reserves: serve.numGpus, else 0 -- the replica runs the Ray
+     engine's front at every tensor-parallel size, and its target shards reserve their own. */}}
 {{- define "keyserve.replicaGpus" -}}
 {{- $v := .Values }}
 {{- if not (kindIs "invalid" $v.serve.numGpus) }}{{ $v.serve.numGpus }}
-{{- else if and $v.worker.enabled (eq $v.worker.accelerator "nvidia") (eq (int $v.model.tensorParallelSize) 1) }}1
 {{- else }}0
 {{- end }}
 {{- end }}

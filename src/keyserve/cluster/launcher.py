@@ -68,7 +68,7 @@ def run_uvicorn(args: ServeArgs, host: str, port: int) -> None:
     it and raises."""
     import uvicorn
 
-    serving = OpenAIServing.from_config(args.serve_config())
+    serving = OpenAIServing.from_config(args.serve_config(), in_process=True)
     server = uvicorn.Server(uvicorn.Config(create_app(serving), host=host, port=port, log_level="warning"))
     failed: list[BaseException] = []
 

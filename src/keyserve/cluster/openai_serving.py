@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -41,7 +42,7 @@ from keyserve.cluster.openai_protocol import (
     PromptTokensDetails,
     Usage,
 )
-from keyserve.config import ServeConfig
+from keyserve.config import EngineConfig, ServeConfig
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from keyserve.engine.outputs import CompletionOutput, RequestOutput
@@ -84,6 +85,19 @@ class _Tracker:
         return delta, start, lps, finish
 
 
+def ray_engine_wanted(config: EngineConfig) -> bool:
+    """Whether a server or batch job runs the Ray engine: at any tensor-parallel size when this
+    process is on Ray (a Serve replica, a ``ray job submit`` driver, ``$RAY_ADDRESS`` set) or
+    asked for it (``tp > 1``, an address). The prefix store exists in the in-process engine only."""
+    if config.parallel.uses_ray:
+        return True
+    if config.prefix_store.enabled:
+        return False
+    import ray  # the serving layer runs on Ray
+
+    return ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
+
+
 class OpenAIServing:
     """Serves OpenAI completions / chat requests with one ``AsyncLLMEngine``."""
 
@@ -94,13 +108,14 @@ class OpenAIServing:
         self.metrics = metrics
 
     @classmethod
-    def from_config(cls, config: ServeConfig) -> "OpenAIServing":
-        """Start an engine (loading in its thread) with metrics wired to it: the in-process
-        engine, or for ``tp > 1`` the Ray engine (tensor-parallel shard actors) behind the same
+    def from_config(cls, config: ServeConfig, in_process: bool = False) -> "OpenAIServing":
+        """Start an engine (loading in its thread) with metrics wired to it: the Ray engine
+        (target group, draft actor, KV-block manager actor) wherever Ray runs, else -- or with
+        ``in_process`` (``keyserve serve --no-ray``) -- the in-process engine, behind the same
         async front."""
         engine_config = config.engine_config()
         limits = {"max_queued_requests": config.max_queued_requests, "request_timeout_s": config.request_timeout_s}
-        if engine_config.parallel.uses_ray:
+        if not in_process and ray_engine_wanted(engine_config):
             from keyserve.actors.ray_engine import AsyncRayEngine
 
             engine = AsyncRayEngine(engine_config, **limits)
