@@ -41,6 +41,7 @@ class DenseBudgetOracle:
         self.slot_of: list[list[dict[int, int]]] = [[{} for _ in range(self.H)] for _ in range(self.L)]
         self.score: list[list[dict[int, float]]] = [[{} for _ in range(self.H)] for _ in range(self.L)]
         self.num_tokens = 0
+        self.ties_followed = 0  # near-ties decided the engine's way (see ``_follow``)
 
     # ------------------------------------------------------------------ views
     def positions(self) -> torch.Tensor:  # [L, H, num_slots] int64: position held in each slot
@@ -62,19 +63,20 @@ class DenseBudgetOracle:
         return out
 
     # ------------------------------------------------------------------ phases
-    def prompt(self, ids: list[int]) -> torch.Tensor:  # [vocab] logits of the last prompt token
+    def prompt(self, ids: list[int], follow: torch.Tensor | None = None) -> torch.Tensor:  # [vocab]
         """All prompt queries (τ = 1) attend causally and score; then keep w recent + the top
-        k − w by S, compacted into slots 0..k−1."""
+        k − w by S, compacted into slots 0..k−1. ``follow`` (the engine's positions per slot
+        afterwards, ``[L, H, k]``) settles near-ties only (``_follow``)."""
         n = len(ids)
         for layer in range(self.L):
             for h in range(self.H):
                 self.slot_of[layer][h] = {p: p for p in range(n)}
                 self.score[layer][h] = {p: 0.0 for p in range(n)}
         logits = self._forward(ids, 0, [1.0] * n)
-        self._evict_down_to(self.k)
+        self._evict_down_to(self.k, follow)
         return logits[-1]
 
-    def decode(self, token: int, step: int) -> torch.Tensor:  # [vocab]
+    def decode(self, token: int, step: int, follow: torch.Tensor | None = None) -> torch.Tensor:  # [vocab]
         """Evict, then write: the lowest-S candidate (not among the w − 1 newest held, ties
         to the oldest) gives its slot to the new token, which starts with its own score."""
         p = self.num_tokens
@@ -82,7 +84,8 @@ class DenseBudgetOracle:
             for h in range(self.H):
                 slots, s = self.slot_of[layer][h], self.score[layer][h]
                 if len(slots) >= self.k:
-                    victim = min((q for q in slots if q <= p - self.w), key=lambda q: (s[q], q))
+                    cands = sorted((q for q in slots if q <= p - self.w), key=lambda q: (s[q], q))
+                    [victim] = self._follow(cands, 1, s, slots, follow, layer, h)
                     slot = slots.pop(victim)
                     del s[victim]
                 else:
@@ -91,7 +94,8 @@ class DenseBudgetOracle:
                 s[p] = 0.0
         return self._forward([token], p, [self._tau(step)])[0]
 
-    def verify(self, tokens: list[int], step: int) -> torch.Tensor:  # [len(tokens), vocab]
+    def verify(self, tokens: list[int], step: int,
+               follow: torch.Tensor | None = None) -> torch.Tensor:  # [len(tokens), vocab]
         """A speculative verification, replayed over its accepted rows only (a rejected row's
         scores never count and no accepted row attends to it): the rows go to spare slots
         after the held ones, their scores add up, then the policy evicts down to k at once."""
@@ -104,7 +108,7 @@ class DenseBudgetOracle:
                     slots[p0 + i] = base + i
                     s[p0 + i] = 0.0
         logits = self._forward(tokens, p0, [self._tau(step + i) for i in range(len(tokens))])
-        self._evict_down_to(self.k)
+        self._evict_down_to(self.k, follow)
         return logits
 
     # ------------------------------------------------------------------ rules
@@ -113,7 +117,26 @@ class DenseBudgetOracle:
             return 1.0
         return self.tau_init + step * (self.tau_end - self.tau_init) / self.max_tokens
 
-    def _evict_down_to(self, k: int) -> None:
+    def _follow(self, cands: list[int], count: int, s: dict[int, float], slots: dict[int, int],
+                follow: torch.Tensor | None, layer: int, h: int) -> list[int]:
+        """The ``count`` positions to evict: the first ``count`` candidates in (S, position) order,
+        unless the engine (``follow``) evicted others that differ from them only among
+        candidates whose S is within float rounding (1e-5 relative) of the cut -- a near-tie
+        that float summation order may decide either way; then the engine's, counted."""
+        mine = cands[:count]
+        if follow is None or not mine:
+            return mine
+        theirs = sorted(set(slots) - set(follow[layer, h].tolist()) - {self.num_tokens})
+        if sorted(mine) == theirs or len(theirs) != count:
+            return mine
+        cut = s[mine[-1]]
+        near = {q for q in cands if abs(s[q] - cut) <= 1e-5 * max(1.0, abs(cut))}
+        if set(theirs) <= set(cands) and set(theirs) ^ set(mine) <= near:
+            self.ties_followed += 1
+            return theirs
+        return mine
+
+    def _evict_down_to(self, k: int, follow: torch.Tensor | None = None) -> None:
         """Evict the candidates first in (S, position) order until k are held; kept tokens in
         slots < k stay, the holes (ascending) take the kept tokens beyond (ascending slot)."""
         newest = self.num_tokens - 1
@@ -124,7 +147,7 @@ class DenseBudgetOracle:
                 if excess <= 0:
                     continue
                 cands = sorted((q for q in slots if q <= newest - self.w), key=lambda q: (s[q], q))
-                for q in cands[:excess]:
+                for q in self._follow(cands, excess, s, slots, follow, layer, h):
                     del slots[q]
                     del s[q]
                 movers = sorted((slot, q) for q, slot in slots.items() if slot >= k)
