@@ -1,7 +1,8 @@
 """Tensor parallelism on a real Ray cluster (gloo, float32): N shards give the same greedy
 tokens as one process and logits within 1e-4. stories260K (8 q / 4 kv heads) at TP = 2 and
 TP = 4; SmolLM2-135M-Instruct (9 q / 3 kv heads) at TP = 3. Every KV-budget policy at TP = 2
-gives the one-process tokens and eviction counts. Sizes that do not fit the heads fail with a
+gives the one-process tokens and eviction counts, and so does TP = 4 over 2 kv heads (replicas
+sum their scores). Sizes that do not fit the heads fail with a
 message that names the dimension."""
 
 from __future__ import annotations
@@ -96,6 +97,53 @@ def test_every_kv_budget_policy_at_tp2_equals_one_process(stories_path: str) -> 
         torch.testing.assert_close(torch.tensor(g.outputs[0].logprobs), torch.tensor(w.outputs[0].logprobs),
                                    atol=1e-4, rtol=0, msg=lambda m: f"{p.kv_policy}: {m}")
         assert g.stats.kv_tokens_held == w.stats.kv_tokens_held
+        assert g.stats.kv_tokens_evicted == w.stats.kv_tokens_evicted > 10
+
+
+@pytest.fixture(scope="module")
+def two_kv_heads(stories_path: str, tmp_path_factory) -> str:
+    """stories260K with only its first 2 kv heads (q heads 0-3 share kv head 0, 4-7 kv head 1):
+    a real model whose kv heads are fewer than 4 ranks, so each is replicated on 2 ranks."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("stories_2kv")
+    for f in Path(stories_path).iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((Path(stories_path) / "config.json").read_text())
+    rows = 2 * cfg["head_dim"]
+    cfg["num_key_value_heads"] = 2
+    (out / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(str(Path(stories_path) / "model.safetensors"))
+    save_file({k: (v[:rows] if k.endswith(("k_proj.weight", "v_proj.weight")) else v).contiguous()
+               for k, v in weights.items()}, str(out / "model.safetensors"))
+    return str(out)
+
+
+def test_replicated_kv_heads_evict_as_one_process(two_kv_heads: str) -> None:
+    """TP = 4 over 2 kv heads: each kv head on 2 ranks, each with 2 of its 4 query heads. The
+    replicas sum their scores (``engine/kv_budget/replicas.py``), so every replica evicts what
+    one process evicts: tokens, log-probabilities, held and evicted counts equal TP = 1 for
+    every policy. Without the sum (each replica scoring with its own query heads only) the
+    H2O and Keyformer rows fail here (seen by hand)."""
+    prompts = [p * 3 for p in PROMPTS]
+    params = [SamplingParams(max_tokens=20, temperature=t, seed=s, ignore_eos=True, kv_policy=policy,
+                             kv_budget=budget, recent_ratio=0.3, logprobs=True)
+              for policy in ("window", "streaming_llm", "h2o", "keyformer")
+              for t, s, budget in ((0.0, 3, 0.3), (0.8, 4, 12))]
+    prompts = [prompts[i % len(prompts)] for i in range(len(params))]
+    options = dict(num_blocks=NUM_BLOCKS * 2, block_size=8)
+    want = LLM(two_kv_heads, **options).generate(prompts, params)
+    with RayLLM(two_kv_heads, tensor_parallel_size=4, worker_threads=1, **options) as ray_llm:
+        got = ray_llm.generate(prompts, params)
+    for w, g, p in zip(want, got, params, strict=True):
+        assert g.token_ids == w.token_ids, (p.kv_policy, p.temperature)
+        torch.testing.assert_close(torch.tensor(g.outputs[0].logprobs), torch.tensor(w.outputs[0].logprobs),
+                                   atol=1e-4, rtol=0, msg=lambda m: f"{p.kv_policy}: {m}")
         assert g.stats.kv_tokens_evicted == w.stats.kv_tokens_evicted > 10
 
 
