@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from keyserve.kernels.native import library, require_library
+from keyserve.kernels.native import env_switch, library, require_library
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# KEYSERVE_NATIVE_ELEMENTWISE=0 keeps these ops on torch (A/B measurements; the rest of the
+# native kernels stay on)
+_ENABLED = env_switch("KEYSERVE_NATIVE_ELEMENTWISE")
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -16,7 +19,8 @@ def supports(*tensors: torch.Tensor) -> bool:
     autograd, and the native library is built."""
     first = tensors[0]
     return (
-        first.device.type == "cpu"
+        _ENABLED
+        and first.device.type == "cpu"
         and first.dtype in _DTYPES
         and not torch.is_grad_enabled()
         and all(t.dtype == first.dtype and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
