@@ -40,7 +40,11 @@ from bench.kv_quality import BUDGETS, INSTRUCTION, POLICIES  # noqa: E402
 from bench.peers import kvpress_env  # noqa: E402
 from bench.report import command_line, machine_description, markdown_table, update_section  # noqa: E402
 
+PREFIX = "kvpress/"  # press names in the results (keyserve has a streaming_llm of its own)
 PRESSES = ["streaming_llm", "observed_attention", "snapkv", "tova", "expected_attention", "knorm"]
+# Ablations (``--presses``): keyserve's prompt-phase rule as a press, over all prompt queries or
+# the last one only (bench/peers/kvpress_worker.py ``_ablation_press``).
+ABLATIONS = ["h2o_prompt", "last_query"]
 WORKER = ROOT / "bench" / "peers" / "kvpress_worker.py"
 JSON_PATH = ROOT / "docs" / "kvpress_anchor.json"
 PLOT_PATH = ROOT / "docs" / "kvpress_anchor.png"
@@ -49,6 +53,11 @@ KS_JSON = ROOT / "docs" / "kv_quality.json"
 
 def key(method: str, budget: float) -> str:
     return f"{method}@{budget:g}"
+
+
+def label(method: str) -> str:
+    """``keyserve h2o`` / ``kvpress tova``."""
+    return f"kvpress {method[len(PREFIX):]}" if method.startswith(PREFIX) else f"keyserve {method}"
 
 
 # ------------------------------------------------------------------ inputs
@@ -133,27 +142,27 @@ def render(rep: dict[str, Any]) -> str:
             c = cfg.get(key(m, b))
             if c is None:
                 continue
-            rows.append([f"{b * 100:g} %", ("keyserve " if m in rep["keyserve"] else "kvpress ") + m,
+            rows.append([f"{b * 100:g} %", label(m),
                          f"{c['rouge1_mean']:.3f}", f"{c['rouge2_mean']:.3f}", f"{c['rougeL_mean']:.3f}",
                          f"{c['ppl']:.4f}" if "ppl" in c else "–",
                          f"{c['ppl_change'] * 100:+.2f} %" if "ppl_change" in c else "–"])
     main = markdown_table(["budget", "method", "ROUGE-1", "ROUGE-2", "ROUGE-L", "PPL of full output",
                            "PPL vs full"], rows)
     r2 = markdown_table(["ROUGE-2"] + [f"{b * 100:g} %" for b in budgets],
-                        [[m] + [f"{cfg[key(m, b)]['rouge2_mean']:.3f}" if key(m, b) in cfg else "–"
+                        [[label(m)] + [f"{cfg[key(m, b)]['rouge2_mean']:.3f}" if key(m, b) in cfg else "–"
                                 for b in budgets] for m in methods])
     pp = markdown_table(["PPL vs full"] + [f"{b * 100:g} %" for b in budgets],
-                        [[m] + [f"{cfg[key(m, b)]['ppl_change'] * 100:+.1f} %"
+                        [[label(m)] + [f"{cfg[key(m, b)]['ppl_change'] * 100:+.1f} %"
                                 if "ppl_change" in cfg.get(key(m, b), {}) else "–" for b in budgets]
                          for m in methods])
     diffs, ldiffs = [], []
     for m in methods:
         if m == "keyformer":
             continue
-        diffs.append([f"keyformer − {m}"] + [fmt_pair(paired(cfg[key('keyformer', b)]["rouge2"], cfg[key(m, b)]["rouge2"]))
+        diffs.append([f"keyformer − {label(m)}"] + [fmt_pair(paired(cfg[key('keyformer', b)]["rouge2"], cfg[key(m, b)]["rouge2"]))
                                               if key(m, b) in cfg and key("keyformer", b) in cfg else "–"
                                               for b in budgets])
-        ldiffs.append([f"keyformer − {m}"] + [
+        ldiffs.append([f"keyformer − {label(m)}"] + [
             fmt_pair(paired(cfg[key('keyformer', b)]["log_ppl_change"], cfg[key(m, b)]["log_ppl_change"]), pct=True)
             if "log_ppl_change" in cfg.get(key(m, b), {}) and "log_ppl_change" in cfg.get(key("keyformer", b), {})
             else "–" for b in budgets])
@@ -168,12 +177,12 @@ def render(rep: dict[str, Any]) -> str:
             continue
         best_r2 = max(pr, key=lambda x: x[1]["rouge2_mean"])
         ok_r2 = kf["rouge2_mean"] >= best_r2[1]["rouge2_mean"]
-        line = (f"{b * 100:g} %: ROUGE-2 keyformer {kf['rouge2_mean']:.3f} vs best press {best_r2[0]} "
+        line = (f"{b * 100:g} %: ROUGE-2 keyformer {kf['rouge2_mean']:.3f} vs best press {label(best_r2[0])} "
                 f"{best_r2[1]['rouge2_mean']:.3f} ({'met' if ok_r2 else 'MISSED'})")
         if "ppl_change" in kf and all("ppl_change" in c for _, c in pr):
             best_pp = min(pr, key=lambda x: x[1]["ppl_change"])
             ok_pp = kf["ppl_change"] <= best_pp[1]["ppl_change"]
-            line += (f"; PPL keyformer {kf['ppl_change'] * 100:+.1f} % vs best press {best_pp[0]} "
+            line += (f"; PPL keyformer {kf['ppl_change'] * 100:+.1f} % vs best press {label(best_pp[0])} "
                      f"{best_pp[1]['ppl_change'] * 100:+.1f} % ({'met' if ok_pp else 'MISSED'})")
         checks.append(line)
     none = rep.get("none_check")
@@ -217,10 +226,10 @@ def plot(rep: dict[str, Any], path: Path) -> None:
         if not pts:
             continue
         style = dict(marker="o", lw=2) if m in rep["keyserve"] else dict(marker="x", ls="--", lw=1)
-        label = ("keyserve " if m in rep["keyserve"] else "kvpress ") + m
-        a1.plot([x for x, _ in pts], [c["rouge2_mean"] for _, c in pts], label=label, **style)
+        label_ = label(m)
+        a1.plot([x for x, _ in pts], [c["rouge2_mean"] for _, c in pts], label=label_, **style)
         if all("ppl_change" in c for _, c in pts):
-            a2.plot([x for x, _ in pts], [c["ppl_change"] * 100 for _, c in pts], label=label, **style)
+            a2.plot([x for x, _ in pts], [c["ppl_change"] * 100 for _, c in pts], label=label_, **style)
     a1.set_ylabel("ROUGE-2 vs full-attention output")
     a2.set_ylabel("perplexity of the full output, % over full")
     a2.set_yscale("symlog", linthresh=10)
@@ -240,7 +249,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="3 documents, budgets 30/50/70 %%")
     ap.add_argument("--num-docs", type=int, default=None, help="the first N documents of kv_quality.json")
     ap.add_argument("--budgets", type=float, nargs="+", default=None)
-    ap.add_argument("--presses", nargs="+", default=PRESSES, choices=PRESSES)
+    ap.add_argument("--presses", nargs="+", default=PRESSES, choices=PRESSES + ABLATIONS)
     ap.add_argument("--no-ppl", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--resume", action="store_true", help="keep the per-document results already in the JSON")
@@ -265,8 +274,9 @@ def main() -> None:
     if bad:
         raise SystemExit(f"prompts differ from kv_quality.json's for {bad}: rebuild that bench's results first")
     eos = int(tok.eos_token_id) if getattr(tok, "eos_token_id", None) is not None else 2
-    results_path = (Path("/tmp") if args.no_write else JSON_PATH.parent) / "kvpress_anchor.jsonl"
-    if not args.resume and results_path.exists():
+    scratch = args.no_write and not args.render_only  # a print-only run keeps its results out of docs/
+    results_path = (Path("/tmp") if scratch else JSON_PATH.parent) / "kvpress_anchor.jsonl"
+    if not args.resume and not args.render_only and results_path.exists():
         results_path.unlink()
     done = {}
     if results_path.exists():
@@ -306,7 +316,7 @@ def main() -> None:
             rs = [done.get((p, b, d)) for d in names]
             if all(rs):
                 nll = None if args.no_ppl else [r["nll"] for r in rs]
-                configs[key(p, b)] = score_config([text(r["token_ids"]) for r in rs], nll, full, scorer)
+                configs[key(PREFIX + p, b)] = score_config([text(r["token_ids"]) for r in rs], nll, full, scorer)
     none_check = None
     nones = [done.get(("none", 1.0, d)) for d in names]
     if all(nones):
@@ -325,8 +335,8 @@ def main() -> None:
            "kvpress_version": versions[0] if versions else "?",
            "transformers_version": versions[1] if len(versions) > 1 else "?",
            "max_new_tokens": args.max_new_tokens,
-           "budgets": sorted(b for b in budgets if any(key(m, b) in configs for m in args.presses)), "keyserve": POLICIES,
-           "presses": args.presses, "docs": [{"name": d, "prompt_tokens": len(prompts[d])} for d in names],
+           "budgets": sorted(b for b in budgets if any(key(PREFIX + m, b) in configs for m in args.presses)), "keyserve": POLICIES,
+           "presses": [PREFIX + p for p in args.presses], "docs": [{"name": d, "prompt_tokens": len(prompts[d])} for d in names],
            "configs": configs, "none_check": none_check}
     body = render(rep)
     print(body)
