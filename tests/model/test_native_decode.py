@@ -128,9 +128,11 @@ def test_stories260k_steps_and_greedy(stories_path: str, dtype: torch.dtype, nat
     assert native_out == torch_out
 
 
-def test_sixteen_rows_and_beyond(native_calls: list[int]) -> None:
-    """16 rows (the most the kernel takes) run natively; 17 go to torch."""
-    model = _tiny("llama", torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sixteen_rows_and_beyond(dtype: torch.dtype, native_calls: list[int]) -> None:
+    """16 rows (the most the kernel takes) run natively -- enough rows that each row's kv
+    heads are one attention work item; 17 go to torch."""
+    model = _tiny("llama", dtype)
     _compare_steps(model, [3 + i for i in range(16)], steps=2)
     assert native_calls[0] == 2
     runner = PagedRunner(model, num_blocks=128, block_size=4)

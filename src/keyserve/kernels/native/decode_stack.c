@@ -97,19 +97,20 @@ static inline void store_row(void *cache, int cdt, int64_t row, int d, const flo
     }
 }
 
-/* Decode attention of one kv head's query group against slots [lo, len) of one sequence:
- * o[group, d] = softmax(q . K * scale) @ V (attend.h's passes, as paged_decode.c). */
+/* Decode attention of `heads` kv heads from g on (their query groups) against slots
+ * [lo, len) of one sequence: o[heads * group, d] = softmax(q . K * scale) @ V (attend.h's
+ * passes, as paged_decode.c). logits: [heads * group, len - lo] scratch. */
 static void attend(const Dims *c, const float *q, const void *kc, const void *vc,
-                   const int32_t *table, int g, int lo, int len, float *logits, float *o) {
-    const int n = len - lo;
+                   const int32_t *table, int g, int heads, int lo, int len, float *logits, float *o) {
+    const int n = len - lo, hq = heads * c->group;
     const ks_kv_view kv = {kc, vc, c->cdt, table, c->block_size, c->hkv, g, c->d};
     if (n <= 0) {
-        memset(o, 0, sizeof(float) * (size_t)c->group * c->d);
+        memset(o, 0, sizeof(float) * (size_t)hq * c->d);
         return;
     }
-    ks_attend_logits(&kv, q, c->group, 1, lo, len, c->scale, logits);
-    for (int j = 0; j < c->group; j++) softmax_into(logits + (int64_t)j * n, logits + (int64_t)j * n, n);
-    ks_attend_values(&kv, logits, c->group, 1, lo, len, o);
+    ks_attend_logits(&kv, q, c->group, heads, lo, len, c->scale, logits);
+    for (int j = 0; j < hq; j++) softmax_into(logits + (int64_t)j * n, logits + (int64_t)j * n, n);
+    ks_attend_values(&kv, logits, c->group, heads, lo, len, o);
 }
 
 /* y[:, o0:o1] += bias, then rounded as the model's dtype (bias may be NULL). */
@@ -198,7 +199,7 @@ int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uin
         max_ctx = lens[k] > max_ctx ? lens[k] : max_ctx;
     const int widest = c.hidden > c.inter ? c.hidden : c.inter;
     const size_t shared = (size_t)m * (c.hidden + c.qkv_out + c.hq * c.d + c.hidden + 2 * c.inter + c.inter);
-    const size_t private_ = (size_t)m * widest + (size_t)c.group * max_ctx + c.d;
+    const size_t private_ = (size_t)m * widest + (size_t)c.hq * max_ctx + c.d;
     float *mem = malloc(sizeof(float) * (shared + private_ * num_threads));
     if (!mem) return NO_MEMORY;
     float *h = mem, *qkv = h + (size_t)m * c.hidden, *attn = qkv + (size_t)m * c.qkv_out;
@@ -215,13 +216,14 @@ int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uin
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         float *xn = private_base + private_ * tid;  /* [m, widest] */
-        float *logits = xn + (size_t)m * widest;    /* [group, max_ctx] */
-        float *cs = logits + (size_t)c.group * max_ctx;  /* cos | sin of one position: d floats */
+        float *logits = xn + (size_t)m * widest;    /* [hq, max_ctx] */
+        float *cs = logits + (size_t)c.hq * max_ctx;  /* cos | sin of one position: d floats */
         int q0, q1, o0, o1, f0, f1;
         ks_split_rows(c.qkv_out, tid, nt, &q0, &q1);
         ks_split_rows(c.hidden, tid, nt, &o0, &o1);
         ks_split_rows(c.inter, tid, nt, &f0, &f1);
-        const int tasks = m * c.hkv;  /* (row, kv head) pairs: RoPE + KV write, then attention */
+        const int tasks = m * c.hkv;  /* (row, kv head) pairs: RoPE + KV write */
+        const int att_heads = m >= 4 * nt ? c.hkv : 1, att_items = c.hkv / att_heads;
         const int t0 = (int)((int64_t)tasks * tid / nt), t1 = (int)((int64_t)tasks * (tid + 1) / nt);
 
         for (int l = 0; l < c.layers; l++) {
@@ -253,17 +255,19 @@ int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uin
                 }
             }
 #pragma omp barrier
-            for (int task = t0; task < t1; task++) {
-                const int s = task / c.hkv, g = task % c.hkv;
+            /* attention: a row's kv heads together when there are rows enough for every
+             * thread (each slot's rows of all kv heads are one stretch: paged_decode.c) */
+#pragma omp for schedule(dynamic, 1)
+            for (int task = 0; task < m * att_items; task++) {
+                const int s = task / att_items, g = (task % att_items) * att_heads;
                 const int len = lens[l * lens_layer_stride + s];
                 const int lo = (win > 0 && len > win) ? len - win : 0;
                 float *o = attn + ((int64_t)s * c.hq + (int64_t)g * c.group) * c.d;
                 attend(&c, qkv + (int64_t)s * c.qkv_out + (int64_t)g * c.group * c.d, kc, vc,
-                       tables + (int64_t)s * max_blocks, g, lo, len, logits, o);
+                       tables + (int64_t)s * max_blocks, g, att_heads, lo, len, logits, o);
                 if (c.bf16)
-                    for (int i = 0; i < c.group * c.d; i++) o[i] = ks_round_bf16(o[i]);
+                    for (int i = 0; i < att_heads * c.group * c.d; i++) o[i] = ks_round_bf16(o[i]);
             }
-#pragma omp barrier
             ks_gemv_rows(attn, m, c.hq * c.d, c.hq * c.d, ptr(L, P_O_W), c.wdt, o0, o1, tmp, c.hidden);
             finish_rows(&c, tmp, m, c.hidden, o0, o1, ptr(L, P_O_B));
             add_residual(&c, h, tmp, m, o0, o1);
