@@ -19,7 +19,7 @@ normalisation and never a zero-probability token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -268,61 +268,5 @@ class AcceptanceStats:
         }
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """E[tokens per target forward] with K drafts each accepted w.p. α independently:
-    1 + α + … + α^K = (1 − α^{K+1}) / (1 − α)."""
-    return sum(alpha**i for i in range(k + 1))
-
-
-def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
-    """Tokens per unit time relative to plain decoding: a step costs K draft forwards (c each)
-    plus one target forward (1), so the gain is expected_tokens / (c·K + 1)."""
-    return expected_tokens(alpha, k) / (cost_ratio * k + 1.0)
-
-
-@dataclass
-class AdaptiveK:
-    """Picks K from a running estimate of α to maximise ``expected_speedup(α, K, c)``.
-
-    α is estimated as accepted / tested (see ``AcceptanceStats.per_token_acceptance``) over
-    exponentially decayed counts, starting from ``prior_alpha`` worth ``prior_weight`` trials.
-    With α → 1 it picks ``k_max`` (when c < 1); when α < c even K = 1 does not pay, so it picks
-    ``k_min`` (set ``k_min = 0`` to allow switching speculation off).
-    """
-
-    k_min: int = 1
-    k_max: int = 8
-    cost_ratio: float = 0.1  # c = one draft forward / one target forward
-    decay: float = 0.9  # weight of the past per observe() call
-    prior_alpha: float = 0.7
-    prior_weight: float = 4.0
-    _accepted: float = field(init=False)
-    _tested: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.k_min <= self.k_max:
-            raise ValueError("need 0 <= k_min <= k_max")
-        self._accepted = self.prior_alpha * self.prior_weight
-        self._tested = self.prior_weight
-
-    def observe(
-        self,
-        num_draft: torch.Tensor | int | list[int],  # [num_seqs] or scalar
-        num_accepted: torch.Tensor | list[int],  # [num_seqs]
-    ) -> None:
-        acc = num_accepted if isinstance(num_accepted, torch.Tensor) else torch.tensor(num_accepted)
-        drafted = (num_draft if isinstance(num_draft, torch.Tensor)
-                   else torch.as_tensor(num_draft)).to(acc.device).expand_as(acc)
-        a = _total(acc)
-        self._accepted = self.decay * self._accepted + a
-        self._tested = self.decay * self._tested + a + _total(acc < drafted)
-
-    @property
-    def alpha(self) -> float:
-        return self._accepted / self._tested if self._tested > 0 else self.prior_alpha
-
-    def choose(self) -> int:
-        """The K in [k_min, k_max] with the highest expected speed-up (smallest on ties)."""
-        alpha = min(max(self.alpha, 0.0), 1.0)
-        ks = range(self.k_min, self.k_max + 1)
-        return max(ks, key=lambda k: (expected_speedup(alpha, k, self.cost_ratio), -k))
+# Adaptive K lives in its own module; re-exported here, where it used to be.
+from keyserve.core.adaptive_k import AdaptiveK, expected_speedup, expected_tokens  # noqa: E402,F401

@@ -1,0 +1,117 @@
+"""How many drafts a sequence should get next step: K from its running acceptance and the cost
+of a speculative step, K = 0 (no speculation) included.
+
+Why: speculation must never be slower than plain decoding. A step with K drafts yields
+E[tokens | α, K] = 1 + α + … + α^K per sequence and costs ``relative_cost(K)`` plain steps
+(measured: ``core.step_cost.StepCostModel``; by default the weight-byte model 1 + c·K). The
+chooser maximises tokens per unit time, E[tokens | α, K] / relative_cost(K); K = 0 scores 1,
+so when no K beats plain decoding it picks 0.
+
+While K = 0 the sequence drafts nothing, so α would never move again and a draft that starts
+agreeing (another part of the answer, a quoted passage) would be missed. So it probes: after
+``min_interval`` steps at K = 0 it drafts ``probe_k`` tokens once, and each probe that still
+leaves the choice at 0 doubles the wait (up to ``max_interval``), as the thread governor
+(``core.thread_governor``) backs off its tries; a choice above 0 resets it.
+
+Pure logic: the caller reports acceptances and supplies the relative cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens per target forward] with K drafts each accepted w.p. α independently:
+    1 + α + … + α^K = (1 − α^{K+1}) / (1 − α)."""
+    return sum(alpha**i for i in range(k + 1))
+
+
+def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
+    """Tokens per unit time relative to plain decoding under the weight-byte model: a step
+    costs K draft forwards (c each) plus one target forward (1)."""
+    return expected_tokens(alpha, k) / (cost_ratio * k + 1.0)
+
+
+def _as_counts(
+    num_draft: torch.Tensor | int | list[int],  # [num_seqs] or a scalar
+    num_accepted: torch.Tensor | list[int],  # [num_seqs]
+) -> tuple[int, int]:
+    """(accepted, rejections): drafts accepted, and steps that ended in a rejected draft."""
+    acc = num_accepted if isinstance(num_accepted, torch.Tensor) else torch.tensor(num_accepted)
+    drafted = (num_draft if isinstance(num_draft, torch.Tensor)
+               else torch.as_tensor(num_draft)).to(acc.device).expand_as(acc)
+    return int(acc.sum().item()), int((acc < drafted).sum().item())
+
+
+@dataclass
+class AdaptiveK:
+    """Per-sequence K in [k_min, k_max] (see the module doc). Call ``choose`` once per step.
+
+    α is estimated as accepted / tested (tokens after a rejection are never tested) over
+    exponentially decayed counts, starting from ``prior_alpha`` worth ``prior_weight`` trials.
+    """
+
+    k_min: int = 1
+    k_max: int = 8
+    cost_ratio: float = 0.1  # c = one draft forward / one target forward (the default cost model)
+    decay: float = 0.9  # weight of the past per observe() call
+    prior_alpha: float = 0.7
+    prior_weight: float = 4.0
+    probe_k: int = 1  # drafts of a probe while K = 0
+    min_interval: int = 4  # steps at K = 0 before the first probe
+    max_interval: int = 256
+    last_was_probe: bool = field(init=False, default=False)
+    _accepted: float = field(init=False)
+    _tested: float = field(init=False)
+    _interval: int = field(init=False)
+    _countdown: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.k_min <= self.k_max:
+            raise ValueError("need 0 <= k_min <= k_max")
+        if not 1 <= self.min_interval <= self.max_interval:
+            raise ValueError("need 1 <= min_interval <= max_interval")
+        self._accepted = self.prior_alpha * self.prior_weight
+        self._tested = self.prior_weight
+        self._interval = self._countdown = self.min_interval
+
+    def observe(
+        self,
+        num_draft: torch.Tensor | int | list[int],  # [num_seqs] or scalar
+        num_accepted: torch.Tensor | list[int],  # [num_seqs]
+    ) -> None:
+        accepted, rejections = _as_counts(num_draft, num_accepted)
+        self._accepted = self.decay * self._accepted + accepted
+        self._tested = self.decay * self._tested + accepted + rejections
+
+    @property
+    def alpha(self) -> float:
+        return self._accepted / self._tested if self._tested > 0 else self.prior_alpha
+
+    def best(self, relative_cost: Callable[[int], float] | None = None) -> int:
+        """The K in [k_min, k_max] with the most expected tokens per unit time (smallest on
+        ties); ``relative_cost(K)``: a K-draft step over a plain one (default 1 + c·K)."""
+        cost = relative_cost or (lambda k: 1.0 + self.cost_ratio * k)
+        alpha = min(max(self.alpha, 0.0), 1.0)
+        ks = range(self.k_min, self.k_max + 1)
+        return max(ks, key=lambda k: (expected_tokens(alpha, k) / (cost(k) if k else 1.0), -k))
+
+    def choose(self, relative_cost: Callable[[int], float] | None = None) -> int:
+        """``best``, except that at K = 0 it drafts ``probe_k`` now and then (module doc);
+        ``last_was_probe`` says whether this choice was such a probe."""
+        k = self.best(relative_cost)
+        self.last_was_probe = False
+        if k > 0:
+            self._interval = self._countdown = self.min_interval
+            return k
+        self._countdown -= 1
+        if self._countdown > 0 or self.k_max == 0:
+            return 0
+        self._interval = min(2 * self._interval, self.max_interval)
+        self._countdown = self._interval
+        self.last_was_probe = True
+        return min(max(self.probe_k, 1), self.k_max)

@@ -1,0 +1,129 @@
+"""What a speculative decode step costs relative to a plain one, as measured on this engine.
+
+Why: adaptive K weighs expected tokens against cost, and the weight-byte model (1 + c·K) is
+wrong where it matters: at batch 8 the target's K extra rows per sequence are not free, and a
+speculative step has costs of its own (draft step overhead, verification, rollback). So the
+engine times its decode steps and reports (batch, K, seconds) here; this model keeps an
+exponentially decayed mean step time per batch-size bucket (1, 2, 3-4, 5-8, ...) and per K, and
+answers ``relative_cost(K, batch)`` = cost(K) / cost(0) at that bucket.
+
+Where a K has no measurement yet, a line through the measured Ks of the same bucket
+(``1 + slope·K``, least squares through (0, 1)) stands in; where the bucket has no plain or no
+speculative measurement, the prior ``1 + c·K`` does (c: the configured draft/target cost).
+
+A plain baseline needs plain steps, which an engine that always speculates never runs: the
+model asks for one (``wants_plain``) while its bucket has fewer than ``min_samples`` of them,
+and then once every ``interval`` speculative steps -- 16 at first, doubling after each refresh
+up to ``max_interval`` (contexts grow and the machine's load moves; a stale baseline would
+drift, but a settled one needs refreshing only rarely).
+
+Pure logic: the caller measures and reports the seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Mean:
+    """An exponentially decayed mean: each new sample weighs 1, the past is multiplied by decay."""
+
+    total: float = 0.0
+    weight: float = 0.0
+    count: int = 0
+
+    def add(self, x: float, decay: float) -> None:
+        self.total = decay * self.total + x
+        self.weight = decay * self.weight + 1.0
+        self.count += 1
+
+    @property
+    def value(self) -> float:
+        return self.total / self.weight
+
+
+@dataclass
+class _Bucket:
+    means: dict[int, _Mean] = field(default_factory=dict)  # K -> decayed mean step seconds
+    since_plain: int = 0  # speculative steps recorded since the last plain one
+    interval: int = 0  # speculative steps between plain refreshes
+
+
+class StepCostModel:
+    """Online cost(K, batch) / cost(0, batch) from the engine's own step times (module doc)."""
+
+    def __init__(self, prior_cost_ratio: float, decay: float = 0.8, min_samples: int = 2,
+                 min_interval: int = 16, max_interval: int = 1024) -> None:
+        if not prior_cost_ratio >= 0:
+            raise ValueError("prior_cost_ratio must be >= 0")
+        if not 0.0 <= decay < 1.0:
+            raise ValueError("need 0 <= decay < 1")
+        if not 1 <= min_interval <= max_interval:
+            raise ValueError("need 1 <= min_interval <= max_interval")
+        self.prior_cost_ratio, self.decay, self.min_samples = prior_cost_ratio, decay, max(1, min_samples)
+        self.min_interval, self.max_interval = min_interval, max_interval
+        self._buckets: dict[int, _Bucket] = {}
+
+    @staticmethod
+    def bucket_of(batch: int) -> int:
+        """1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ...: the step cost grows with the rows it carries."""
+        return max(batch - 1, 0).bit_length()
+
+    def _bucket(self, batch: int) -> _Bucket:
+        key = self.bucket_of(batch)
+        b = self._buckets.get(key)
+        if b is None:
+            b = self._buckets[key] = _Bucket(interval=self.min_interval)
+        return b
+
+    def record(self, batch: int, k: int, seconds: float) -> None:
+        """One decode step of ``batch`` sequences drafting up to ``k`` each (0: plain) took
+        ``seconds``, all of it: draft, target, verification and bookkeeping."""
+        if seconds <= 0 or batch < 1 or k < 0:
+            return
+        b = self._bucket(batch)
+        b.means.setdefault(k, _Mean()).add(seconds, self.decay)
+        if k == 0:
+            if b.since_plain >= b.interval:  # a refresh was due: space the next one out further
+                b.interval = min(2 * b.interval, self.max_interval)
+            b.since_plain = 0
+        else:
+            b.since_plain += 1
+
+    def _measured(self, b: _Bucket, k: int) -> float | None:
+        m = b.means.get(k)
+        return m.value if m is not None and m.count >= self.min_samples else None
+
+    def relative_cost(self, k: int, batch: int) -> float:
+        """cost(K) / cost(0) for a step of ``batch`` sequences; at least 1 (speculation never
+        makes a step cheaper; a lower measurement is noise)."""
+        if k <= 0:
+            return 1.0
+        prior = 1.0 + self.prior_cost_ratio * k
+        b = self._buckets.get(self.bucket_of(batch))
+        plain = self._measured(b, 0) if b is not None else None
+        if b is None or plain is None:
+            return prior
+        own = self._measured(b, k)
+        if own is not None:
+            return max(1.0, own / plain)
+        num = den = 0.0
+        for kk, m in b.means.items():
+            cost = self._measured(b, kk)
+            if kk > 0 and cost is not None:
+                num += m.weight * (cost / plain - 1.0) * kk
+                den += m.weight * kk * kk
+        return max(1.0, 1.0 + num / den * k) if den else prior
+
+    def wants_plain(self, batch: int) -> bool:
+        """Should the next step at this batch size run plain, to measure (or refresh) the
+        baseline every relative cost divides by?"""
+        b = self._bucket(batch)
+        m = b.means.get(0)
+        return m is None or m.count < self.min_samples or b.since_plain >= b.interval
+
+    def estimates(self, batch: int) -> dict[int, float]:
+        """K -> decayed mean seconds per step at this batch's bucket (benches, tests)."""
+        b = self._buckets.get(self.bucket_of(batch))
+        return {k: m.value for k, m in sorted(b.means.items())} if b else {}

@@ -1,0 +1,112 @@
+"""The step cost model (``core.step_cost``) on injected step times: measured ratios per batch
+bucket, exponential decay, a line for unmeasured K, the prior without a baseline, and the
+plain-baseline refresh with back-off. Each test names the one-line mutation it catches."""
+
+from __future__ import annotations
+
+import pytest
+
+from keyserve.core.step_cost import StepCostModel
+
+
+def _feed(model: StepCostModel, batch: int, k: int, seconds: float, times: int = 3) -> None:
+    for _ in range(times):
+        model.record(batch, k, seconds)
+
+
+def test_relative_cost_is_the_measured_ratio_per_batch_bucket() -> None:
+    """Mutations caught: ``bucket_of`` returning one bucket for every batch (batch 8's cost
+    would mix with batch 1's); ``own / plain`` replaced by the prior (1 + c·K)."""
+    m = StepCostModel(prior_cost_ratio=0.05)
+    _feed(m, 1, 0, 0.010)
+    _feed(m, 1, 4, 0.015)
+    _feed(m, 8, 0, 0.020)
+    _feed(m, 8, 4, 0.060)
+    assert m.relative_cost(4, 1) == pytest.approx(1.5)
+    assert m.relative_cost(4, 8) == pytest.approx(3.0)
+    assert m.relative_cost(4, 6) == pytest.approx(3.0)  # 5..8 share a bucket
+    assert m.relative_cost(0, 8) == 1.0
+    assert [StepCostModel.bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
+
+
+def test_decayed_mean_matches_weighted_oracle() -> None:
+    """The estimate is Σ decayᵃᵍᵉ·x / Σ decayᵃᵍᵉ, so a shift in step time is followed.
+    Mutation caught: ``self.total = decay * self.total + x`` → ``self.total += x`` (with the
+    weight still decayed the mean is wrong; with both undecayed it would be the plain mean,
+    16.7 ms here, far from the oracle's)."""
+    decay = 0.8
+    m = StepCostModel(prior_cost_ratio=0.1, decay=decay)
+    xs = [0.010] * 5 + [0.020] * 10
+    for x in xs:
+        m.record(1, 0, x)
+    n = len(xs)
+    weights = [decay ** (n - 1 - i) for i in range(n)]
+    oracle = sum(w * x for w, x in zip(weights, xs)) / sum(weights)
+    assert m.estimates(1)[0] == pytest.approx(oracle)
+    assert oracle > 0.019  # the old regime has nearly faded
+
+
+def test_unmeasured_k_comes_from_the_line_through_measured_ones() -> None:
+    """K = 2 measured at 1.4× plain: K = 4 is estimated at 1.8×, K = 1 at 1.2×. Mutation caught:
+    ``return ... if den else prior`` → ``return prior`` (the weight-byte prior would say 1.2×
+    at K = 4, hiding what extra rows cost)."""
+    m = StepCostModel(prior_cost_ratio=0.05)
+    _feed(m, 8, 0, 0.010)
+    _feed(m, 8, 2, 0.014)
+    assert m.relative_cost(4, 8) == pytest.approx(1.8)
+    assert m.relative_cost(1, 8) == pytest.approx(1.2)
+    assert m.relative_cost(2, 8) == pytest.approx(1.4)
+
+
+def test_prior_until_a_baseline_and_enough_samples() -> None:
+    """No plain step at this bucket, or fewer than ``min_samples`` of a K: the prior 1 + c·K.
+    Mutation caught: ``m.count >= self.min_samples`` → ``m.count >= 1`` (one noisy step would
+    decide)."""
+    m = StepCostModel(prior_cost_ratio=0.1, min_samples=2)
+    _feed(m, 1, 3, 0.050)
+    assert m.relative_cost(3, 1) == pytest.approx(1.3)  # no baseline
+    m.record(1, 0, 0.010)
+    assert m.relative_cost(3, 1) == pytest.approx(1.3)  # one plain step is not enough
+    m.record(1, 0, 0.010)
+    assert m.relative_cost(3, 1) == pytest.approx(5.0)
+
+
+def test_relative_cost_is_at_least_one() -> None:
+    """A speculative step measured cheaper than a plain one is noise. Mutation caught:
+    ``max(1.0, own / plain)`` → ``own / plain``."""
+    m = StepCostModel(prior_cost_ratio=0.1)
+    _feed(m, 1, 0, 0.010)
+    _feed(m, 1, 1, 0.009)
+    assert m.relative_cost(1, 1) == 1.0
+
+
+def test_wants_plain_for_a_baseline_then_refreshes_with_back_off() -> None:
+    """Plain steps until the bucket has ``min_samples``; then one after every ``interval``
+    speculative steps, the interval doubling per refresh. Mutations caught: the doubling
+    ``min(2 * b.interval, ...)`` → ``b.interval``; ``b.since_plain = 0`` dropped."""
+    m = StepCostModel(prior_cost_ratio=0.1, min_samples=2, min_interval=4, max_interval=16)
+    assert m.wants_plain(1)
+    m.record(1, 0, 0.01)
+    assert m.wants_plain(1)
+    m.record(1, 0, 0.01)
+    assert not m.wants_plain(1)
+    asked = []
+    for step in range(60):
+        if m.wants_plain(1):
+            asked.append(step)
+            m.record(1, 0, 0.01)
+        else:
+            m.record(1, 2, 0.02)
+    # 4 speculative steps, a refresh, 8, a refresh, 16, a refresh, 16 (the cap) ...
+    assert asked == [4, 13, 30, 47]
+    assert m.wants_plain(8)  # another bucket has its own baseline to measure
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        StepCostModel(prior_cost_ratio=0.1, decay=1.0)
+    with pytest.raises(ValueError):
+        StepCostModel(prior_cost_ratio=0.1, min_interval=8, max_interval=4)
+    m = StepCostModel(prior_cost_ratio=0.1)
+    m.record(1, 0, -1.0)  # a clock that went backwards is ignored
+    assert m.estimates(1) == {}
