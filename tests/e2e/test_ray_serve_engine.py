@@ -40,13 +40,13 @@ def serve_url():
         ray.shutdown()
 
 
-def deploy(url: str, name: str, stories_path: str, draft_dir: str, tp: int) -> str:
-    """An app of one replica with a draft at ``tp``; its base URL once healthy."""
+def deploy(url: str, name: str, stories_path: str, draft_dir: str | None, tp: int, replicas: int = 1) -> str:
+    """An app at ``tp`` (with a draft unless None); its base URL once healthy."""
     from ray import serve
 
-    args = {"model": stories_path, "draft": draft_dir, "tp": tp, "num_blocks": 128, "num_cpus": 0.25,
+    args = {"model": stories_path, "tp": tp, "num_blocks": 128, "num_cpus": 0.25, "num_replicas": replicas,
             "worker_num_cpus": 0.25, "draft_num_cpus": 0.25, "worker_threads": 1,
-            "served_model_name": name, "deployment_name": name}
+            "served_model_name": name, "deployment_name": name, **({"draft": draft_dir} if draft_dir else {})}
     serve.run(build_app(args), name=name, route_prefix=f"/{name}")
     base = f"{url}/{name}"
     deadline = time.monotonic() + 300
@@ -149,3 +149,34 @@ def test_tp2_with_a_draft(serve_url: str, tp1: str, stories_path: str, draft_dir
         assert metrics(base)["keyserve:spec_decode_num_draft_tokens_total"] > 0
     finally:
         serve.delete("tp2")
+
+
+def test_two_replicas_each_with_their_own_actors(serve_url: str, tp1: str, stories_path: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+    from ray import serve
+
+    base = deploy(serve_url, "two", stories_path, None, tp=1, replicas=2)
+    try:
+        deadline, healthy = time.monotonic() + 300, 0
+        while len(alive("KVManagerActor")) < 3 or healthy < 20:  # both replicas up, not only one
+            assert time.monotonic() < deadline
+            healthy = healthy + 1 if httpx.get(base + "/health", timeout=30).status_code == 200 else 0
+        managers = alive("KVManagerActor")
+        assert len(managers) == 3  # tp1's and one per replica, each owned by its replica
+        assert len({(a["OwnerAddress"]["IPAddress"], a["OwnerAddress"]["Port"]) for a in managers}) == 3
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        sizes = [2**i for i in range(8)]  # every subset has its own sum: each replica's total names it
+
+        def ask(n: int) -> int:
+            out = client.completions.create(model="two", prompt=PROMPT, max_tokens=n, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            return out.usage.completion_tokens
+
+        with ThreadPoolExecutor(len(sizes)) as pool:
+            assert list(pool.map(ask, sizes)) == sizes
+        totals = {metrics(base)["keyserve:generation_tokens_total"] for _ in range(40)}
+        assert len(totals) == 2 and min(totals) > 0 and sum(totals) == sum(sizes)  # Serve used both
+    finally:
+        serve.delete("two")
