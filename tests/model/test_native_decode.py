@@ -88,7 +88,7 @@ def _compare_steps(model: LlamaForCausalLM, lens: list[int], steps: int, block_s
     count = 0
     with torch.inference_mode():
         for (ids, pos, meta), (ids_b, pos_b, meta_b) in zip(_steps(a, seqs, lens), _steps(b, seqs, lens)):
-            assert NativeDecodeStack.takes(ids, meta)
+            assert model._native_decode.takes(ids, meta)
             hidden, _ = model(ids, pos, a.kv_caches, meta)
             count += 1
             with _TorchPath(model):
@@ -138,7 +138,7 @@ def test_sixteen_rows_and_beyond(dtype: torch.dtype, native_calls: list[int]) ->
     runner = PagedRunner(model, num_blocks=128, block_size=4)
     runner.step(prefill=[(i, [1, 2, 3]) for i in range(17)])
     ids, pos, meta = runner.build(decode=[(i, 4) for i in range(17)])
-    assert not NativeDecodeStack.takes(ids, meta)
+    assert not model._native_decode.takes(ids, meta)
 
 
 def test_kv_budget_layouts(native_calls: list[int]) -> None:

@@ -210,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
         native = self._native_decode
         if (
             native is not None
-            and NativeDecodeStack.takes(input_ids, meta)
+            and native.takes(input_ids, meta)
             and native.weight_ptr == self.model.layers[0].self_attn.qkv_proj.weight.data_ptr()
         ):
             sliding = [not full for full in self._full_attention_layers]

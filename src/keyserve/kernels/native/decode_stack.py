@@ -101,9 +101,12 @@ class NativeDecodeStack:
         # the result is the same bits either way (each output row is one thread's work)
         # KEYSERVE_THREAD_GOVERNOR=0 pins the step to torch's thread count
         self.governor = ThreadGovernor() if env_switch("KEYSERVE_THREAD_GOVERNOR") else None
+        # the most rows a step takes here; more go to the torch path (bench/decode_rows_bench.py
+        # measures where each side wins)
+        self.max_rows = MAX_ROWS
 
-    @staticmethod
     def takes(
+        self,
         input_ids: torch.Tensor,  # [num_tokens]
         meta: AttentionMetadata,
     ) -> bool:
@@ -112,7 +115,7 @@ class NativeDecodeStack:
         return (
             meta.score_mode is None
             and meta.num_decode_seqs == n
-            and 1 <= n <= MAX_ROWS
+            and 1 <= n <= self.max_rows
             and meta.prefill_block_tables.shape[0] == 0
             and input_ids.device.type == "cpu"
             and not torch.is_grad_enabled()
