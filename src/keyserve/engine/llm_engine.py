@@ -243,14 +243,29 @@ class LLMEngine:
         if self.prefix_store is not None:  # what the last step copied out, before any lookup
             self.prefix_store.flush()
         self._running_step = None
+        start = time.perf_counter()
         try:
             outputs = self._step()
+            self._observe_step_cost(time.perf_counter() - start)
         except Exception as e:  # noqa: BLE001 — recovered below, re-raised as StepFailedError
             if isinstance(e, self.engine_faults):
                 raise
             raise self._recover_failed_step(e) from e
         self._flush_store_if_idle()
         return outputs
+
+    def _observe_step_cost(self, seconds: float) -> None:
+        """Tell adaptive K what a decode step just cost, all of it (draft, target, verification,
+        bookkeeping), with its batch size and drafts per sequence. Steps with a prompt chunk
+        are left out: their cost is the prompt's."""
+        step = self._running_step
+        if self.speculative is None or step is None or step.is_empty:
+            return
+        items = step.items
+        if any(it.num_new_tokens != 1 or it.forced_token_id is not None
+               or not (it.sample_seq_ids or it.verifies) for it in items):
+            return
+        self.speculative.observe_step(len(items), max(len(it.draft_token_ids) for it in items), seconds)
 
     def _flush_store_if_idle(self) -> None:
         """With no request left nobody waits for a token: store what was copied out now

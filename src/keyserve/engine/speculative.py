@@ -9,7 +9,9 @@ vectorised ``rejection_sample``) decides what is accepted; the engine
 appends the accepted tokens plus one recovered or bonus token and rolls both KV caches back to
 that length.
 ``SpeculativeDecoder`` keeps the engine-side part: how many drafts, statistics, adaptive K.
-There is one per engine, in the engine's process: it sends the KV core how many drafts each
+Adaptive K (``config.adaptive_k``) picks K per sequence, 0 included, from its acceptance and
+the step cost the engine measures (``observe_step`` feeds ``core.step_cost.StepCostModel``), so
+speculation stops where it does not pay at the current batch size. There is one per engine, in the engine's process: it sends the KV core how many drafts each
 sequence wants (``lookaheads``, with ``KVCore.schedule``), so the core (in the engine's process
 or in the KV-block manager actor) holds no speculative policy of its own.
 """
@@ -21,7 +23,9 @@ from collections.abc import Iterable
 
 from keyserve.config import SpeculativeConfig
 from keyserve.core.sequence import Sequence
-from keyserve.core.spec_decode import AcceptanceStats, AdaptiveK
+from keyserve.core.adaptive_k import AdaptiveK
+from keyserve.core.spec_decode import AcceptanceStats
+from keyserve.core.step_cost import StepCostModel
 from keyserve.engine.drafter import Drafter
 
 log = logging.getLogger(__name__)
@@ -35,13 +39,19 @@ class SpeculativeDecoder:
         self.stats = AcceptanceStats()  # engine total
         self.request_stats: dict[str, AcceptanceStats] = {}
         self._adaptive: dict[int, AdaptiveK] = {}
+        self.costs = StepCostModel(cost_ratio)  # measured step costs (adaptive K)
+        self._last_k: dict[int, int] = {}  # seq_id -> drafts asked for last step (adaptive K)
+        # This step's cost says nothing steady about K: a sequence drafts after not drafting
+        # (the draft catches up on its prompt or on what it missed) or probes.
+        self._unsettled = False
 
     def enabled_for(self, seq: Sequence) -> bool:
         want = seq.params.speculative
         return self.config.speculative_by_default if want is None else want
 
-    def lookahead(self, seq: Sequence, max_model_len: int) -> int:
-        """Draft tokens for this sequence's next decode step (0 = decode plainly)."""
+    def lookahead(self, seq: Sequence, max_model_len: int, batch: int = 1) -> int:
+        """Draft tokens for this sequence's next decode step (0 = decode plainly); ``batch``:
+        how many sequences decode with it (adaptive K weighs the step cost at that size)."""
         if not self.enabled_for(seq):
             return 0
         k = seq.params.num_speculative_tokens or self.config.num_speculative_tokens
@@ -49,9 +59,12 @@ class SpeculativeDecoder:
             adaptive = self._adaptive.get(seq.seq_id)
             if adaptive is None:
                 adaptive = self._adaptive[seq.seq_id] = AdaptiveK(
-                    k_min=1, k_max=k, cost_ratio=self.cost_ratio
+                    k_min=0, k_max=k, cost_ratio=self.cost_ratio
                 )
-            k = adaptive.choose()
+            k = adaptive.choose(lambda kk: self.costs.relative_cost(kk, batch))
+            if k and (adaptive.last_was_probe or not self._last_k.get(seq.seq_id)):
+                self._unsettled = True
+            self._last_k[seq.seq_id] = k
         # A step emits up to K + 1 tokens: never draft past max_tokens or the context.
         room = min(
             seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens
@@ -61,17 +74,31 @@ class SpeculativeDecoder:
     def lookaheads(self, seqs: Iterable[Sequence], max_model_len: int) -> dict[int, int]:
         """seq_id -> draft tokens wanted next step, for the sequences that want any. The KV core
         reserves them only for a sequence that decodes this step and is not waiting for its
-        prompt-phase KV selection."""
+        prompt-phase KV selection. With adaptive K, none while the step cost model wants a
+        plain step at this batch size (its baseline)."""
+        seqs = list(seqs)
+        self._unsettled = False
+        if self.config.adaptive_k and seqs and self.costs.wants_plain(len(seqs)):
+            for seq in seqs:
+                self._last_k[seq.seq_id] = 0
+            return {}
         wanted: dict[int, int] = {}
         for seq in seqs:
             try:
-                k = self.lookahead(seq, max_model_len)
+                k = self.lookahead(seq, max_model_len, len(seqs))
             except Exception:  # noqa: BLE001 — its speculative settings: it decodes plainly
                 log.warning("no speculation for sequence %d", seq.seq_id, exc_info=True)
                 k = 0
             if k:
                 wanted[seq.seq_id] = k
         return wanted
+
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        """The engine's measured time of one decode step (no prompt chunk in it) of ``batch``
+        sequences drafting up to ``k`` each: the step cost model learns from it, unless a
+        sequence's draft was catching up or probing in it (not what a steady K costs)."""
+        if self.config.adaptive_k and not (k and self._unsettled):
+            self.costs.record(batch, k, seconds)
 
     def record(self, request_id: str, seq_id: int, num_draft: int, num_accepted: int) -> None:
         """Statistics of one verification (engine total and per request), and adaptive K's
@@ -88,6 +115,7 @@ class SpeculativeDecoder:
 
     def forget(self, seq_id: int) -> None:
         self._adaptive.pop(seq_id, None)
+        self._last_k.pop(seq_id, None)
 
     def release(self, seq: Sequence) -> None:
         if self.drafter is not None:
