@@ -147,8 +147,9 @@ class ParallelConfig(_Strict):
 
     tensor_parallel_size: int = Field(
         1, ge=1, le=64,
-        description="Tensor-parallel shards of the target model, one Ray actor each; > 1 runs "
-        "the Ray engine (shard actors, a KV-block manager actor).",
+        description="Tensor-parallel shards of the target model, one Ray actor each. The Ray engine "
+        "(shard actors, a KV-block manager actor) runs at every size wherever Ray runs (Ray Serve, "
+        "a Ray job); > 1 starts it anywhere.",
     )
     address: str | None = Field(
         None, description="Ray cluster to run the engine on ('auto', 'ray://host:10001', ...), at "
