@@ -119,12 +119,13 @@ class SpeculativeConfig(_Strict):
     )
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Draft tokens per step (K).")
     adaptive_k: bool = Field(
-        False, description="Pick K per request from its running acceptance rate (K is the cap)."
+        False, description="Pick K per request (0 = no drafts) from its running acceptance and the "
+        "step cost the engine measures at the current batch size (K is the cap).",
     )
     draft_cost_ratio: float | None = Field(
         None, gt=0.0, le=1.0,
-        description="Cost of one draft forward / one target forward for adaptive K; "
-        "default: the ratio of their weight bytes.",
+        description="Cost of one draft forward / one target forward: adaptive K's prior until it "
+        "has measured steps; default: the ratio of their weight bytes.",
     )
     speculative_by_default: bool = Field(
         True, description="Requests that do not say use speculation when a draft is loaded."
