@@ -1,0 +1,75 @@
+"""The engine's speculative policy (``engine.speculative.SpeculativeDecoder``) with adaptive K,
+driven by hand (no model, no drafter: it only decides how many drafts): plain baseline steps
+first, the measured cost then decides, and steps whose cost is not what a steady K costs (a
+draft catching up, a probe) stay out of the cost model. Each test names the mutation it
+catches."""
+
+from __future__ import annotations
+
+from keyserve.config import SpeculativeConfig
+from keyserve.core.sampling_params import SamplingParams
+from keyserve.core.sequence import Sequence
+from keyserve.engine.speculative import SpeculativeDecoder
+
+MAX_LEN = 10_000
+
+
+def _seqs(n: int) -> list[Sequence]:
+    out = []
+    for i in range(n):
+        seq = Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1000))
+        seq.output_token_ids.append(5)  # decoding
+        out.append(seq)
+    return out
+
+
+def _policy(k: int = 4) -> SpeculativeDecoder:
+    cfg = SpeculativeConfig(num_speculative_tokens=k, adaptive_k=True)
+    return SpeculativeDecoder(None, cfg, cost_ratio=0.05)
+
+
+def test_baseline_first_then_the_measured_cost_decides() -> None:
+    """Two plain steps (the baseline), then the 0.05 prior lets it draft; once the measured K
+    step costs 5× a plain one, K = 0 for every sequence. Mutation caught: the
+    ``wants_plain`` early return in ``lookaheads`` dropped (no baseline: the prior rules
+    forever, since every step drafts)."""
+    policy, seqs = _policy(), _seqs(4)
+    for _ in range(2):
+        assert policy.lookaheads(seqs, MAX_LEN) == {}
+        policy.observe_step(4, 0, 1.0)
+    wanted = policy.lookaheads(seqs, MAX_LEN)
+    assert wanted and all(k > 0 for k in wanted.values())
+    for _ in range(4):
+        k = max(policy.lookaheads(seqs, MAX_LEN).values(), default=0)
+        policy.observe_step(4, k, 1.0 + 4.0 * k)
+    assert policy.lookaheads(seqs, MAX_LEN) == {}
+    assert policy.costs.relative_cost(1, 4) > 2.0
+
+
+def test_catch_up_and_probe_steps_stay_out_of_the_cost_model() -> None:
+    """The first drafting step after not drafting (the draft catches up on its prompt or what
+    it missed) is not a steady K's cost: it is not recorded; the next one is. Mutation caught:
+    ``if k and (adaptive.last_was_probe or not self._last_k.get(seq.seq_id))`` → ``if False``
+    (a catch-up step's cost would count as K's)."""
+    policy, seqs = _policy(), _seqs(1)
+    for _ in range(2):
+        policy.lookaheads(seqs, MAX_LEN)
+        policy.observe_step(1, 0, 1.0)
+    k = policy.lookaheads(seqs, MAX_LEN)[seqs[0].seq_id]
+    policy.observe_step(1, k, 50.0)  # the catch-up: left out
+    assert k not in policy.costs.estimates(1)
+    k2 = policy.lookaheads(seqs, MAX_LEN)[seqs[0].seq_id]
+    policy.observe_step(1, k2, 1.2)
+    assert policy.costs.estimates(1)[k2] == 1.2
+
+
+def test_not_adaptive_records_nothing_and_k_is_fixed() -> None:
+    """Without adaptive K the policy drafts K for everyone every step and keeps no costs.
+    Mutation caught: ``if self.config.adaptive_k and seqs and self.costs.wants_plain(...)`` →
+    ``if seqs and ...`` (fixed K would lose its first steps to a baseline it never uses)."""
+    cfg = SpeculativeConfig(num_speculative_tokens=3)
+    policy, seqs = SpeculativeDecoder(None, cfg, cost_ratio=0.05), _seqs(2)
+    for _ in range(3):
+        assert set(policy.lookaheads(seqs, MAX_LEN).values()) == {3}
+        policy.observe_step(2, 3, 1.0)
+    assert policy.costs.estimates(2) == {}
