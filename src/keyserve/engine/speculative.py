@@ -22,8 +22,8 @@ import logging
 from collections.abc import Iterable
 
 from keyserve.config import SpeculativeConfig
-from keyserve.core.sequence import Sequence
 from keyserve.core.adaptive_k import AdaptiveK
+from keyserve.core.sequence import Sequence
 from keyserve.core.spec_decode import AcceptanceStats
 from keyserve.core.step_cost import StepCostModel
 from keyserve.engine.drafter import Drafter
