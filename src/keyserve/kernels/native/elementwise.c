@@ -8,84 +8,125 @@
  * with bfloat16 rounded at exactly the points torch rounds (model/norm.py, model/llama.py,
  * model/rope.py), so the result is the torch path's up to float32 summation order.
  *
+ * Every loop is written once per dtype with the dtype fixed, and the bf16 conversions are
+ * branch-free, so the compiler vectorises them: a first version that tested the dtype per
+ * element and rounded through a branch cost more CPU than the torch ops it replaced.
+ *
  * dtype: 0 = float32, 1 = bfloat16 (KS_F32 / KS_BF16); every tensor of a call has it.
  * Rows are split over threads when a call has enough elements to pay for waking them.
  */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "gemv.h"
+#include "vecmath.h"
 
 /* Below this many elements one thread is faster than waking the team (decode rows). */
 #define PARALLEL_MIN 65536
 
-static inline float load_at(const void *p, int dt, int64_t k) {
-    return dt == KS_BF16 ? ks_bf16_to_f32(((const uint16_t *)p)[k]) : ((const float *)p)[k];
+static inline float bf_in(uint16_t v) {
+    const uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
-static inline void store_at(void *p, int dt, int64_t k, float v) {
-    if (dt == KS_BF16)
-        ((uint16_t *)p)[k] = ks_f32_to_bf16(v);
-    else
-        ((float *)p)[k] = v;
+/* Round-to-nearest-even to bf16, NaN kept quiet (ks_f32_to_bf16 without its branch). */
+static inline uint16_t bf_out(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)rounded;
 }
 
-static inline float round_as(int dt, float v) { return dt == KS_BF16 ? ks_round_bf16(v) : v; }
+static inline float bf_round(float f) { return bf_in(bf_out(f)); }
 
 static int threads_for(int64_t elements, int num_threads) {
     return elements < PARALLEL_MIN || num_threads < 1 ? 1 : num_threads;
 }
 
-/* With y: h_out = h + y (rounded to dtype); then out = rms_norm(h_out) * w, as model/norm.py:
- * float32: x * (1 / sqrt(mean(x^2) + eps)) * w; bfloat16: the normalised value rounded to
- * bf16 before the product with the weight, the product rounded. y and h_out may be NULL (no
- * residual: the norm of h). h: [rows, hidden]; out: [rows, hidden]. */
-void keyserve_add_rms_norm(const void *h, const void *y, void *h_out, const void *w, void *out,
-                           int64_t rows, int hidden, float eps, int dt, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(threads_for(rows * hidden, num_threads))
+/* float32: h_out = h + y; out = h_out * (1 / sqrt(mean(h_out^2) + eps)) * w (torch.rms_norm). */
+static void add_rms_norm_f32(const float *h, const float *y, float *h_out, const float *w, float *out,
+                             int64_t rows, int hidden, float eps, int nt) {
+#pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t base = r * hidden;
-        if (y)
-            for (int i = 0; i < hidden; i++)
-                store_at(h_out, dt, base + i, round_as(dt, load_at(h, dt, base + i) + load_at(y, dt, base + i)));
-        const void *x = y ? h_out : h;
+        const float *x = h + r * hidden;
+        if (y) {
+            float *xo = h_out + r * hidden;
+            const float *yr = y + r * hidden;
+#pragma omp simd
+            for (int i = 0; i < hidden; i++) xo[i] = x[i] + yr[i];
+            x = xo;
+        }
         float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
-        for (int i = 0; i < hidden; i++) {
-            const float v = load_at(x, dt, base + i);
-            ss += v * v;
-        }
+        for (int i = 0; i < hidden; i++) ss += x[i] * x[i];
         const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
-        if (dt == KS_BF16) {
-            for (int i = 0; i < hidden; i++)
-                store_at(out, dt, base + i, load_at(w, dt, i) * ks_round_bf16(load_at(x, dt, base + i) * inv));
-        } else {
-            const float *xf = (const float *)x, *wf = (const float *)w;
-            float *o = (float *)out;
+        float *o = out + r * hidden;
 #pragma omp simd
-            for (int i = 0; i < hidden; i++) o[base + i] = xf[base + i] * inv * wf[i];
-        }
+        for (int i = 0; i < hidden; i++) o[i] = x[i] * inv * w[i];
     }
+}
+
+/* bfloat16: h_out = bf16(h + y); out = bf16(w * bf16(h_out * rsqrt(mean(h_out^2) + eps))),
+ * model/norm.py's order (the normalised value rounded before the weight). */
+static void add_rms_norm_bf16(const uint16_t *h, const uint16_t *y, uint16_t *h_out, const uint16_t *w,
+                              uint16_t *out, int64_t rows, int hidden, float eps, int nt) {
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *x = h + r * hidden;
+        if (y) {
+            uint16_t *xo = h_out + r * hidden;
+            const uint16_t *yr = y + r * hidden;
+#pragma omp simd
+            for (int i = 0; i < hidden; i++) xo[i] = bf_out(bf_in(x[i]) + bf_in(yr[i]));
+            x = xo;
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < hidden; i++) ss += bf_in(x[i]) * bf_in(x[i]);
+        const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+        uint16_t *o = out + r * hidden;
+#pragma omp simd
+        for (int i = 0; i < hidden; i++) o[i] = bf_out(bf_in(w[i]) * bf_round(bf_in(x[i]) * inv));
+    }
+}
+
+/* With y: h_out = h + y; then out = rms_norm(h_out) * w. y and h_out may be NULL (the norm of
+ * h). h, y, h_out, out: [rows, hidden]; w: [hidden]. */
+void keyserve_add_rms_norm(const void *h, const void *y, void *h_out, const void *w, void *out,
+                           int64_t rows, int hidden, float eps, int dt, int num_threads) {
+    const int nt = threads_for(rows * hidden, num_threads);
+    if (dt == KS_BF16)
+        add_rms_norm_bf16(h, y, h_out, w, out, rows, hidden, eps, nt);
+    else
+        add_rms_norm_f32(h, y, h_out, w, out, rows, hidden, eps, nt);
 }
 
 /* act[r, f] = silu(gu[r, f]) * gu[r, inter + f], as model/llama.py's LlamaMLP: in bfloat16
  * SiLU's result is rounded, then the product. gu: [rows, 2 * inter]; act: [rows, inter]. */
 void keyserve_silu_mul(const void *gu, void *act, int64_t rows, int inter, int dt, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(threads_for(rows * inter, num_threads))
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t in = r * 2 * inter, o = r * inter;
-        if (dt == KS_BF16) {
-            for (int f = 0; f < inter; f++) {
-                const float g = load_at(gu, dt, in + f);
-                const float s = ks_round_bf16(g / (1.0f + expf(-g)));
-                store_at(act, dt, o + f, s * load_at(gu, dt, in + inter + f));
-            }
-        } else {
-            const float *x = (const float *)gu + in;
-            float *a = (float *)act + o;
+    const int nt = threads_for(rows * inter, num_threads);
+    if (dt == KS_BF16) {
+#pragma omp parallel for schedule(static) num_threads(nt)
+        for (int64_t r = 0; r < rows; r++) {
+            const uint16_t *g = (const uint16_t *)gu + r * 2 * inter, *u = g + inter;
+            uint16_t *a = (uint16_t *)act + r * inter;
 #pragma omp simd
-            for (int f = 0; f < inter; f++) a[f] = x[f] / (1.0f + expf(-x[f])) * x[inter + f];
+            for (int f = 0; f < inter; f++) {
+                const float x = bf_in(g[f]);
+                a[f] = bf_out(bf_round(x / (1.0f + expf(-x))) * bf_in(u[f]));
+            }
+        }
+    } else {
+#pragma omp parallel for schedule(static) num_threads(nt)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *g = (const float *)gu + r * 2 * inter, *u = g + inter;
+            float *a = (float *)act + r * inter;
+#pragma omp simd
+            for (int f = 0; f < inter; f++) a[f] = g[f] / (1.0f + expf(-g[f])) * u[f];
         }
     }
 }
@@ -96,16 +137,35 @@ void keyserve_silu_mul(const void *gu, void *act, int64_t rows, int inter, int d
  * cos, sin: [rows, d]; out: [rows, heads, d] contiguous. */
 void keyserve_rotary(const void *x, int64_t x_stride, const void *cos_, const void *sin_, void *out,
                      int64_t rows, int heads, int d, int dt, int num_threads) {
-    const int half = d / 2;
-#pragma omp parallel for schedule(static) num_threads(threads_for(rows * heads * d, num_threads))
-    for (int64_t r = 0; r < rows; r++) {
-        for (int hh = 0; hh < heads; hh++) {
-            const int64_t xi = r * x_stride + (int64_t)hh * d, oi = (r * heads + hh) * d;
-            for (int j = 0; j < d; j++) {
-                const int sj = j < half ? j + half : j - half;
-                const float a = round_as(dt, load_at(x, dt, xi + j) * load_at(cos_, dt, r * d + j));
-                const float b = round_as(dt, load_at(x, dt, xi + sj) * load_at(sin_, dt, r * d + j));
-                store_at(out, dt, oi + j, a + b);
+    const int half = d / 2, nt = threads_for(rows * heads * d, num_threads);
+    if (dt == KS_BF16) {
+#pragma omp parallel for schedule(static) num_threads(nt)
+        for (int64_t r = 0; r < rows; r++) {
+            const uint16_t *c = (const uint16_t *)cos_ + r * d, *s = (const uint16_t *)sin_ + r * d;
+            for (int hh = 0; hh < heads; hh++) {
+                const uint16_t *xi = (const uint16_t *)x + r * x_stride + (int64_t)hh * d;
+                uint16_t *o = (uint16_t *)out + (r * heads + hh) * d;
+#pragma omp simd
+                for (int j = 0; j < half; j++) {
+                    const float x1 = bf_in(xi[j]), x2 = bf_in(xi[j + half]);
+                    o[j] = bf_out(bf_round(x1 * bf_in(c[j])) + bf_round(x2 * bf_in(s[j])));
+                    o[j + half] = bf_out(bf_round(x2 * bf_in(c[j + half])) + bf_round(x1 * bf_in(s[j + half])));
+                }
+            }
+        }
+    } else {
+#pragma omp parallel for schedule(static) num_threads(nt)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *c = (const float *)cos_ + r * d, *s = (const float *)sin_ + r * d;
+            for (int hh = 0; hh < heads; hh++) {
+                const float *xi = (const float *)x + r * x_stride + (int64_t)hh * d;
+                float *o = (float *)out + (r * heads + hh) * d;
+#pragma omp simd
+                for (int j = 0; j < half; j++) {
+                    const float x1 = xi[j], x2 = xi[j + half];
+                    o[j] = x1 * c[j] + x2 * s[j];
+                    o[j + half] = x2 * c[j + half] + x1 * s[j + half];
+                }
             }
         }
     }
