@@ -240,6 +240,11 @@ class RemoteDrafter:
         (the KV-block manager picks which do, in the same step)."""
         return self._batch(targets, [0] * len(targets))
 
+    def graph_failed(self, batch: DraftBatch) -> None:
+        """The step of ``batch`` failed, maybe before the actor read it: its releases go again
+        (releasing twice is harmless)."""
+        self._released = batch.released + self._released
+
     def graph_done(self, tokens: DraftTokens, targets: list[Sequence]) -> None:
         """What the draft node answered for ``graph_batch(targets)``: the shadows it now holds."""
         if tokens.resync:

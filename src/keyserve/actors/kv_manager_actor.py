@@ -10,7 +10,7 @@ model-side ops a commit produces (forks, compactions, releases) ride in that ``S
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayError
@@ -24,6 +24,7 @@ from keyserve.engine.stats import CoreStats
 from keyserve.engine.step_input import RunnerOp, StepInput, StepOutput
 
 Command = tuple  # ("add", seqs, pending, forced) | ("finish", seq_id, reason) | ("commit", output) | ("reset",)
+Batch = tuple[int, list[Command]]  # (number, commands): the engine's commands between two calls
 
 
 class KVManagerActor:
@@ -33,25 +34,31 @@ class KVManagerActor:
         self.core = build_core(args)
         self.ops: list[RunnerOp] = []  # for the model side, sent with the next StepInput
         self.incarnation = new_incarnation()
+        self.applied = -1  # the last command batch applied (a batch may arrive twice)
 
     def ready(self) -> str:
         return self.incarnation
 
     def step(
-        self, commands: list[Command], schedule: bool, lookahead: dict[int, int] | None,
+        self, batches: list[Batch], schedule: bool, lookahead: dict[int, int] | None,
         incarnation: str | None,
     ) -> tuple[CoreReply, CoreStats] | None:
-        """Apply the queued commands, then (``schedule``) the next step with the model-side ops
+        """Apply the queued command batches (each once: a step that failed after this actor
+        read it is sent again), then (``schedule``) the next step with the model-side ops
         accumulated since the last one, and the core's counts. ``lookahead``: the draft tokens
         the engine's speculative policy wants per sequence (``KVCore.schedule``). None: this
         actor restarted and holds none of the engine's requests (``incarnation`` is not its own)."""
         if incarnation not in (None, self.incarnation):
             return None
         stats: dict[int, SeqStat] = {}
-        for command in commands:
-            result = self._run(command)
-            self.ops += result.ops
-            stats.update(result.seq_stats)
+        for number, commands in batches:
+            if number <= self.applied:
+                continue
+            self.applied = number
+            for command in commands:
+                result = self._run(command)
+                self.ops += result.ops
+                stats.update(result.seq_stats)
         step = None
         if schedule:
             scheduled = self.core.schedule(lookahead)
@@ -69,13 +76,11 @@ class KVManagerActor:
         """The compiled step's first node: ``step`` with the engine's queued commands, the
         step split off for the model side (the draft actor or the shards read it) from the rest
         for the engine. (None, None): this actor restarted (see ``step``)."""
-        answer = self.step(request.commands, True, request.lookahead, request.incarnation)
+        answer = self.step(request.batches, True, request.lookahead, request.incarnation)
         if answer is None:
             return None, None
         reply, stats = answer
         step, reply.step = reply.step, None
-        if step is not None and request.runner_ops:
-            step.ops = request.runner_ops + step.ops
         return step, (reply, stats)
 
     def _run(self, command: Command) -> CoreReply:
@@ -103,12 +108,12 @@ class KVManagerActor:
 @dataclass
 class CoreRequest:
     """What the engine sends the KV-block manager per compiled step (``KVManagerActor.step``'s
-    arguments, plus model-side ops the engine holds, which ride in the step)."""
+    arguments). The model-side ops all come from the actor itself (``RemoteCore``'s replies
+    carry none), so nothing else rides along."""
 
-    commands: list[Command]
+    batches: list[Batch]
     lookahead: dict[int, int] | None
     incarnation: str | None
-    runner_ops: list[RunnerOp] = field(default_factory=list)
 
 
 def core_copy(seq: Sequence) -> Sequence:
@@ -130,6 +135,9 @@ class RemoteCore:
         self.actor = self._create()
         self.incarnation: str | None = ray.get(self.actor.ready.remote())
         self.commands: list[Command] = []
+        # Sent but not answered (the call or graph failed): sent again, applied once.
+        self.unanswered: list[Batch] = []
+        self.num_batches = 0
         self.last_stats = CoreStats(args.num_blocks, args.num_blocks, args.block_size)  # as of the last call
         self.num_losses = 0
 
@@ -168,24 +176,31 @@ class RemoteCore:
             return []
 
     # ------------------------------------------------------------- plumbing
+    def _batches(self) -> list[Batch]:
+        """The queued commands as a new batch, after any the actor may not have applied."""
+        if self.commands:
+            self.unanswered.append((self.num_batches, self.commands))
+            self.num_batches += 1
+            self.commands = []
+        return list(self.unanswered)
+
     def _call(self, schedule: bool, lookahead: dict[int, int] | None = None) -> CoreReply:
-        commands, self.commands = self.commands, []
         try:
-            answer = ray.get(self.actor.step.remote(commands, schedule, lookahead, self.incarnation))
+            answer = ray.get(self.actor.step.remote(self._batches(), schedule, lookahead, self.incarnation))
         except ACTOR_LOST as e:
             raise self.lost(f"the KV-block manager died: {e}") from e
         return self.answer(answer)
 
-    def request(self, lookahead: dict[int, int] | None, runner_ops: list[RunnerOp]) -> CoreRequest:
+    def request(self, lookahead: dict[int, int] | None) -> CoreRequest:
         """The queued commands as a compiled step's input (``KVManagerActor.graph_step``)."""
-        commands, self.commands = self.commands, []
-        return CoreRequest(commands, lookahead, self.incarnation, runner_ops)
+        return CoreRequest(self._batches(), lookahead, self.incarnation)
 
     def answer(self, answer: tuple[CoreReply, CoreStats] | None) -> CoreReply:
         """The actor's answer to a step (plain call or compiled graph); raises ``CoreLost``
         if the actor restarted and holds none of the engine's requests."""
         if answer is None:
             raise self.lost("the KV-block manager restarted and lost its state")
+        self.unanswered = []
         reply, self.last_stats = answer
         return reply
 
@@ -202,7 +217,7 @@ class RemoteCore:
 
     def flush(self) -> dict[int, SeqStat]:
         """Send queued commands now (an idle engine: free finished requests' blocks)."""
-        if not self.commands:
+        if not self.commands and not self.unanswered:
             return {}
         return self._call(schedule=False).seq_stats
 
@@ -214,7 +229,7 @@ class RemoteCore:
         except ACTOR_LOST:
             self.actor = self._create()
             self.incarnation = ray.get(self.actor.ready.remote(), timeout=300)
-        self.commands = []
+        self.commands, self.unanswered = [], []
         for seqs, pending, forced in requests:
             self.add(seqs, pending, forced)
         self.commands.append(("reset",))

@@ -132,10 +132,12 @@ class RayEngine(LLMEngine):
         lookahead = self._lookahead() if speculate else None
         targets = [self._seqs[seq_id] for seq_id in lookahead] if lookahead else []
         batch = drafter.graph_batch(targets) if speculate else None
-        request = self.core_client.request(lookahead, self.group.take_ops())
+        request = self.core_client.request(lookahead)
         try:
             result = self._graph_for(speculate).run(request, batch)
         except Exception as e:  # noqa: BLE001 — which actor, if any, is lost decides
+            if batch is not None:
+                drafter.graph_failed(batch)
             raise self._diagnose(e) from e
         if result.drafts is not None:
             drafter.graph_done(result.drafts, targets)

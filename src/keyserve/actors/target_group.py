@@ -81,12 +81,6 @@ class TargetGroup:
         self._ops += ops
         return {}
 
-    def take_ops(self) -> list[RunnerOp]:
-        """The ops waiting for the next step, for a step that does not go through ``execute``
-        (the compiled graph carries them in the KV-block manager's request)."""
-        ops, self._ops = self._ops, []
-        return ops
-
     def execute(
         self,
         step: StepInput,
