@@ -57,7 +57,10 @@ def key(method: str, budget: float) -> str:
 
 def label(method: str) -> str:
     """``keyserve h2o`` / ``kvpress tova``."""
-    return f"kvpress {method[len(PREFIX):]}" if method.startswith(PREFIX) else f"keyserve {method}"
+    name = method[len(PREFIX):]
+    if name in ABLATIONS:
+        return f"ablation {name}"
+    return f"kvpress {name}" if method.startswith(PREFIX) else f"keyserve {method}"
 
 
 # ------------------------------------------------------------------ inputs
@@ -172,7 +175,8 @@ def render(rep: dict[str, Any]) -> str:
     checks = []
     for b in [x for x in budgets if x >= 0.3]:
         kf = cfg.get(key("keyformer", b))
-        pr = [(m, cfg[key(m, b)]) for m in rep["presses"] if key(m, b) in cfg]
+        pr = [(m, cfg[key(m, b)]) for m in rep["presses"]
+              if key(m, b) in cfg and m[len(PREFIX):] not in ABLATIONS]  # the field's presses only
         if not kf or not pr:
             continue
         best_r2 = max(pr, key=lambda x: x[1]["rouge2_mean"])
@@ -188,8 +192,7 @@ def render(rep: dict[str, Any]) -> str:
     none = rep.get("none_check")
     docs = rep["docs"]
     n = [d["prompt_tokens"] for d in docs]
-    head = (f"Command: `{rep['command']}`  \nDate: {rep['date']}  \nMachine: {rep['machine']}; load average "
-            f"(1 min) at the start {rep['load_average']}, {rep['threads']} torch thread(s) for the presses, "
+    head = (f"Load average (1 min) at the start {rep['load_average']}, {rep['threads']} torch thread(s) for the presses, "
             f"{rep['wall_s'] / 60:.0f} min of wall time for the presses run here  \n"
             + (f"{rep['note']}  \n" if rep.get("note") else "")
             + f"kvpress {rep['kvpress_version']} (transformers {rep['transformers_version']}) in its own venv; "
@@ -200,6 +203,13 @@ def render(rep: dict[str, Any]) -> str:
               f"teacher-forced under the method. A budget is the share of the prompt kept: keyserve holds k = "
               f"budget × n tokens per (layer, kv-head) through decoding, a press compresses the prompt to "
               f"int(budget × n) and keeps the generated tokens.")
+    if any(m[len(PREFIX):] in ABLATIONS for m in rep["presses"]):
+        head += ("  \nAblations (ours, run as presses, so they select in the prompt phase only and keep the "
+                 "generated tokens): `h2o_prompt` is keyserve's H2O prompt-phase rule (attention of every prompt "
+                 "query summed over the kv-head's query heads, the round(0.3 k) most recent tokens kept, the top "
+                 "of the rest); `last_query` the same from the last prompt query only (TOVA's window, per "
+                 "kv-head). h2o_prompt beside keyserve h2o shows what the decode-phase evictions cost; "
+                 "last_query beside h2o_prompt what the prompt-phase scoring window does.")
     if none:
         head += (f"  \nSame-stack check: transformers without a press reproduces keyserve's full summaries "
                  f"token for token in {none['same']}/{none['docs']} documents (ROUGE-2 {none['rouge2']:.3f}), "
