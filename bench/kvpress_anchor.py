@@ -44,7 +44,7 @@ PREFIX = "kvpress/"  # press names in the results (keyserve has a streaming_llm 
 PRESSES = ["streaming_llm", "observed_attention", "snapkv", "tova", "expected_attention", "knorm"]
 # Ablations (``--presses``): keyserve's prompt-phase rule as a press, over all prompt queries or
 # the last one only (bench/peers/kvpress_worker.py ``_ablation_press``).
-ABLATIONS = ["h2o_prompt", "last_query"]
+ABLATIONS = ["h2o_prompt", "last_query", "h2o_shared", "last_query_shared"]
 WORKER = ROOT / "bench" / "peers" / "kvpress_worker.py"
 JSON_PATH = ROOT / "docs" / "kvpress_anchor.json"
 PLOT_PATH = ROOT / "docs" / "kvpress_anchor.png"
@@ -208,8 +208,10 @@ def render(rep: dict[str, Any]) -> str:
                  "generated tokens): `h2o_prompt` is keyserve's H2O prompt-phase rule (attention of every prompt "
                  "query summed over the kv-head's query heads, the round(0.3 k) most recent tokens kept, the top "
                  "of the rest); `last_query` the same from the last prompt query only (TOVA's window, per "
-                 "kv-head). h2o_prompt beside keyserve h2o shows what the decode-phase evictions cost; "
-                 "last_query beside h2o_prompt what the prompt-phase scoring window does.")
+                 "kv-head); `*_shared` the same with one selection per layer from the score averaged over "
+                 "all its query heads (TOVA's pooling). h2o_prompt beside keyserve h2o shows what the "
+                 "decode-phase evictions cost; last_query beside h2o_prompt what the prompt-phase scoring "
+                 "window does; *_shared beside their per-kv-head twins what per-layer pooling does.")
     if none:
         head += (f"  \nSame-stack check: transformers without a press reproduces keyserve's full summaries "
                  f"token for token in {none['same']}/{none['docs']} documents (ROUGE-2 {none['rouge2']:.3f}), "

@@ -38,18 +38,19 @@ def make_press(name: str, budget: float):
         "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
         "knorm": lambda: kvpress.KnormPress(compression_ratio=ratio),
     }
-    if name in ("h2o_prompt", "last_query"):
-        return _ablation_press(ratio, last=1 if name == "last_query" else 0)
+    if name in ("h2o_prompt", "last_query", "h2o_shared", "last_query_shared"):
+        return _ablation_press(ratio, last=1 if name.startswith("last_query") else 0, shared=name.endswith("_shared"))
     return None if name == "none" else presses[name]()
 
 
-def _ablation_press(ratio: float, last: int, recent_ratio: float = 0.3):
+def _ablation_press(ratio: float, last: int, shared: bool = False, recent_ratio: float = 0.3):
     """keyserve's prompt-phase rule as a press (ablations, not kvpress's own): per kv-head, the
     attention of the prompt's queries summed over the group's query heads (``last`` > 0: only the
     last ``last`` queries, TOVA's window), the round(0.3 k) most recent tokens always kept, the
     top of the rest by that score. Decoding then keeps every generated token, as with any press:
     ``h2o_prompt`` beside keyserve's h2o isolates the decode-phase evictions, ``last_query``
-    beside ``h2o_prompt`` the prompt-phase scoring window."""
+    beside ``h2o_prompt`` the prompt-phase scoring window. ``shared``: one selection per layer,
+    from the score averaged over all its query heads (TOVA's pooling), instead of per kv-head."""
     import math
     from dataclasses import dataclass
 
@@ -59,19 +60,22 @@ def _ablation_press(ratio: float, last: int, recent_ratio: float = 0.3):
     @dataclass
     class RecentPlusScore(kvpress.ScorerPress):
         last: int = 0
+        shared: bool = False
 
         def score(self, module, hidden_states, keys, values, attentions, kwargs):
             assert attentions is not None, "needs eager attention"
             a = attentions[:, :, -self.last :, :] if self.last else attentions  # [B, Hq, q, n]
             bsz, num_kv, n, _ = keys.shape
             s = a.sum(2).view(bsz, num_kv, -1, n).sum(2).float()  # [B, Hkv, n]
+            if self.shared:  # every kv-head of the layer keeps the same tokens
+                s = s.mean(1, keepdim=True).expand(-1, num_kv, -1).clone()
             k = compute_n_kept(n, self.compression_ratio)
             w = max(0, min(k, int(math.floor(recent_ratio * k + 0.5))))
             if w:
                 s[..., n - w :] = s.max() + 1.0
             return s
 
-    return RecentPlusScore(compression_ratio=ratio, last=last)
+    return RecentPlusScore(compression_ratio=ratio, last=last, shared=shared)
 
 
 @torch.no_grad()
