@@ -1,5 +1,6 @@
 """Placement across two simulated nodes (``ray.cluster_utils.Cluster``): the target group's
-shards packed on one node, the draft actor on the other; outputs unchanged."""
+shards packed on one node, the draft actor on the other; each step one compiled graph whose
+channels cross the nodes; outputs unchanged."""
 
 from __future__ import annotations
 
@@ -42,4 +43,5 @@ def test_target_group_on_one_node_draft_on_the_other(two_nodes, stories_path: st
         assert ray.get(engine.drafter_client.actor.node_id.remote()) == draft_node.node_id != head_id
         got = llm.generate(prompts, params)
         assert engine.speculative.stats.num_draft_tokens > 0
+        assert engine.num_graph_compiles == 1  # every step one compiled graph across both nodes
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
