@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.report import markdown_table, update_section  # noqa: E402
+from bench.report import BENCHMARKS_MD, markdown_table, update_section  # noqa: E402
 from bench.workloads import mixed_requests  # noqa: E402
 
 from keyserve.config import EngineConfig  # noqa: E402
@@ -95,7 +95,32 @@ def main(argv: list[str] | None = None) -> None:
     print(md)
     print(summary)
     if not args.no_write:
-        update_section("decode_rows", "Decode steps of m rows: native step vs torch path", f"{summary}\n\n{md}\n")
+        png = BENCHMARKS_MD.parent / "bench_decode_rows.png"
+        plot(table, png)
+        update_section("decode_rows", "Decode steps of m rows: native step vs torch path",
+                       f"{summary}\n\n{md}\n\n![decode step time by rows]({png.name})\n")
+
+
+def plot(table: list[list], path: Path) -> None:
+    """Step time against rows, native and torch, one panel per dtype."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({r[0] for r in table})
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(5 * len(dtypes), 3.4), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        rows = [r for r in table if r[0] == dtype]
+        ax.plot([r[1] for r in rows], [r[2] for r in rows], "o-", label="native step")
+        ax.plot([r[1] for r in rows], [r[3] for r in rows], "s-", label="torch path")
+        ax.set_xlabel("decode rows per step")
+        ax.set_ylabel("ms per step")
+        ax.set_title(dtype)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

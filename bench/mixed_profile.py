@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.report import markdown_table, update_section  # noqa: E402
+from bench.report import BENCHMARKS_MD, markdown_table, update_section  # noqa: E402
 from bench.workloads import mixed_requests  # noqa: E402
 
 from keyserve.config import EngineConfig  # noqa: E402
@@ -31,9 +31,12 @@ from keyserve.core.sampling_params import SamplingParams  # noqa: E402
 from keyserve.engine.llm_engine import LLMEngine  # noqa: E402
 from keyserve.kernels.native.gemv import MAX_ROWS  # noqa: E402
 
+DOCS = BENCHMARKS_MD.parent
 
-def step_kind(step) -> tuple[str, int, int]:  # noqa: ANN001 - a StepInput
-    """(kind, prompt tokens, decode rows) of one scheduled step."""
+
+def step_kind(step, native_rows: int = MAX_ROWS) -> tuple[str, int, int]:  # noqa: ANN001 - a StepInput
+    """(kind, prompt tokens, decode rows) of one scheduled step; decode steps split at the
+    most rows the native decode step takes."""
     prompt = rows = 0
     for item in step.items:
         if item.sample_seq_ids and item.num_new_tokens == 1 and item.start > 0 and not item.verifies:
@@ -42,7 +45,9 @@ def step_kind(step) -> tuple[str, int, int]:  # noqa: ANN001 - a StepInput
             prompt += item.num_new_tokens
     if prompt:
         return "prefill / mixed", prompt, rows
-    return (f"decode, <= {MAX_ROWS} rows" if rows <= MAX_ROWS else f"decode, > {MAX_ROWS} rows"), 0, rows
+    if rows <= native_rows:
+        return f"decode, <= {native_rows} rows (native step)", 0, rows
+    return f"decode, > {native_rows} rows (torch path)", 0, rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,12 +57,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--torch-profile", type=int, default=0, help="torch-profile this many steps of the slowest kind")
+    ap.add_argument("--native-rows", type=int, default=None,
+                    help="most rows the native decode step takes (default: the engine's own limit)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig.from_flat(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                               kv_cache_memory_gb=4.0))
     reqs = mixed_requests(engine.tokenizer, num=args.num_requests)
+    native = getattr(engine.loaded.model, "_native_decode", None)
+    if native is not None and args.native_rows is not None:
+        native.max_rows = args.native_rows
+    native_rows = native.max_rows if native is not None else 0
     # warm-up: one short request through prefill and a few decode steps
     engine.add_request("warm", SamplingParams(max_tokens=8, ignore_eos=True), prompt_token_ids=reqs[0].prompt_token_ids[:64])
     while engine.has_unfinished_requests():
@@ -76,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         step = engine._running_step
         if step is None or step.is_empty:
             continue
-        kind, prompt, rows = step_kind(step)
+        kind, prompt, rows = step_kind(step, native_rows)
         a = acc[kind]
         a[0] += 1
         a[1] += dt
@@ -98,8 +109,31 @@ def main(argv: list[str] | None = None) -> None:
     if args.torch_profile:
         profile_slowest(engine, reqs, acc, args.torch_profile)
     if not args.no_write:
+        png = DOCS / f"bench_mixed_profile_{args.dtype}.png"
+        plot(acc, total, f"64 mixed requests, {args.dtype}: {out_tokens / total:.0f} useful tok/s", png)
         update_section(f"mixed_profile_{args.dtype}", f"Where 64 mixed requests spend their time ({args.dtype})",
-                       f"{summary}\n\n{table}\n")
+                       f"{summary}\n\n{table}\n\n![time by step kind]({png.name})\n")
+
+
+def plot(acc, total: float, title: str, path: Path) -> None:  # noqa: ANN001
+    """Seconds per step kind (bars) with the time per step written on each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = sorted(acc)
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    bars = ax.barh(kinds, [acc[k][1] for k in kinds], color="#4C72B0")
+    for bar, k in zip(bars, kinds):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                f" {int(acc[k][0])} steps, {1000 * acc[k][1] / max(acc[k][0], 1):.0f} ms each", va="center", fontsize=8)
+    ax.set_xlabel(f"seconds (of {total:.1f} s)")
+    ax.set_xlim(0, max(acc[k][1] for k in kinds) * 1.6)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def profile_slowest(engine: LLMEngine, reqs, acc, n: int) -> None:  # noqa: ANN001
