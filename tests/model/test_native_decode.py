@@ -19,7 +19,7 @@ from hf_refs import ours_from_hf, tiny_hf
 from helpers.paged_runner import PagedRunner
 
 from keyserve.kernels import native
-from keyserve.kernels.native.decode_stack import NativeDecodeStack
+from keyserve.kernels.native.decode_stack import ROW_LIMITS, NativeDecodeStack
 from keyserve.model.llama import LlamaForCausalLM
 from keyserve.model.loader import load_model
 
@@ -78,12 +78,13 @@ def _steps(runner: PagedRunner, seqs: dict[int, list[int]], lens: list[int]) -> 
         yield runner.build(decode=[(i, seqs[i][n + k]) for i, n in enumerate(lens)])
 
 
-def _compare_steps(model: LlamaForCausalLM, lens: list[int], steps: int, block_size: int = 4) -> int:
+def _compare_steps(model: LlamaForCausalLM, lens: list[int], steps: int, block_size: int = 4,
+                   num_blocks: int = 64) -> int:
     """Run the same decode steps natively and through torch on two identical caches; compare
     each step's logits and every layer's newly written K/V. Returns the native step count."""
     seqs = _seqs(model.config.vocab_size, lens, steps)
-    a = PagedRunner(model, num_blocks=64, block_size=block_size, seed=3)
-    b = PagedRunner(model, num_blocks=64, block_size=block_size, seed=3)
+    a = PagedRunner(model, num_blocks=num_blocks, block_size=block_size, seed=3)
+    b = PagedRunner(model, num_blocks=num_blocks, block_size=block_size, seed=3)
     tol = TOL[model.dtype]
     count = 0
     with torch.inference_mode():
@@ -129,15 +130,17 @@ def test_stories260k_steps_and_greedy(stories_path: str, dtype: torch.dtype, nat
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sixteen_rows_and_beyond(dtype: torch.dtype, native_calls: list[int]) -> None:
-    """16 rows (the most the kernel takes) run natively -- enough rows that each row's kv
-    heads are one attention work item; 17 go to torch."""
+def test_row_limit_and_beyond(dtype: torch.dtype, native_calls: list[int]) -> None:
+    """As many rows as the dtype's limit (ROW_LIMITS: 64 in float32, 16 in bf16) run natively --
+    enough rows that each row's kv heads are one attention work item; one more goes to torch."""
     model = _tiny("llama", dtype)
-    _compare_steps(model, [3 + i for i in range(16)], steps=2)
+    limit = model._native_decode.max_rows
+    assert limit == ROW_LIMITS[dtype]
+    _compare_steps(model, [3 + i % 20 for i in range(limit)], steps=2, num_blocks=8 * limit)
     assert native_calls[0] == 2
-    runner = PagedRunner(model, num_blocks=128, block_size=4)
-    runner.step(prefill=[(i, [1, 2, 3]) for i in range(17)])
-    ids, pos, meta = runner.build(decode=[(i, 4) for i in range(17)])
+    runner = PagedRunner(model, num_blocks=4 * (limit + 1) + 8, block_size=4)
+    runner.step(prefill=[(i, [1, 2, 3]) for i in range(limit + 1)])
+    ids, pos, meta = runner.build(decode=[(i, 4) for i in range(limit + 1)])
     assert not model._native_decode.takes(ids, meta)
 
 

@@ -205,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states, and the attention scores of every layer when
         ``meta.score_mode`` asks for them (KV budgets; None otherwise).
 
-        A CPU step of decode rows only (no scores, <= 16 rows) runs every layer in one native
+        A CPU step of decode rows only (no scores, few enough rows: ``ROW_LIMITS``) runs every layer in one native
         call (``kernels/native/decode_stack.c``); everything else runs the torch layers."""
         native = self._native_decode
         if (

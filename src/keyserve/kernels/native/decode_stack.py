@@ -3,7 +3,7 @@
 The model gathers its weight pointers once (``NativeDecodeStack(...)`` after loading); each
 decode-only step is then one ``ctypes`` call that runs every layer -- no Python, no tensor
 construction per layer. Steps it does not take (prefill or mixed rows, KV-budget scores,
-more than ``MAX_ROWS`` rows, autograd) stay on the model's torch path.
+more rows than ``ROW_LIMITS`` allows, autograd) stay on the model's torch path.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ from keyserve.kernels.native import env_switch, require_library
 from keyserve.kernels.native.gemv import MAX_ROWS, WEIGHT_DTYPES
 
 _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# The most decode rows a step takes natively, by weight dtype, from bench/decode_rows_bench.py
+# (BENCHMARKS.md "decode_rows", AMX Xeon, 2 threads, 512-token contexts): float32's native step
+# beat the torch path at every row count measured (1.26x at 16 rows, 1.06x at 64); in bf16 the
+# torch path's oneDNN GEMMs (AMX) win from 24 rows (0.91x) on.
+ROW_LIMITS = {torch.float32: 64, torch.bfloat16: MAX_ROWS}
 _ERRORS = {
     1: (IndexError, "input_ids: a token id is outside the vocabulary"),
     2: (IndexError, "positions: a position is outside the rotary table (max_position_embeddings)"),
@@ -103,7 +108,7 @@ class NativeDecodeStack:
         self.governor = ThreadGovernor() if env_switch("KEYSERVE_THREAD_GOVERNOR") else None
         # the most rows a step takes here; more go to the torch path (bench/decode_rows_bench.py
         # measures where each side wins)
-        self.max_rows = MAX_ROWS
+        self.max_rows = ROW_LIMITS[dtype]
 
     def takes(
         self,
