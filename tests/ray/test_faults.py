@@ -88,10 +88,10 @@ def test_draft_actor_killed(engine: RayEngine, reference: LLM) -> None:
     finally:
         del engine.step
     assert client.num_losses == 1
-    # decoding went on without drafts while the actor was away (the step after the kill at
-    # least); once Ray has restarted it the compiled graph takes it back, possibly within this
-    # run on a quiet machine, so later steps may draft again
-    assert any(drafted[:4]) and drafted[4] == 0
+    # decoding went on without drafts while the actor was away (ray.kill lands within a step
+    # or two of the call); once Ray has restarted it the compiled graph takes it back,
+    # possibly within this run on a quiet machine, so later steps may draft again
+    assert any(drafted[:4]) and 0 in drafted[4:]
     deadline = time.monotonic() + 180
     while not client.available:  # Ray restarts the actor (it reloads the draft) ...
         assert time.monotonic() < deadline
