@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "gemv.h"
+#include "vecmath.h"
 
 typedef struct {
     const void *k, *v;      /* cache bases */
@@ -224,6 +225,22 @@ static inline void ks_attend_values(const ks_kv_view *kv, const float *probs, in
             for (int e = 0; e < d; e++) oj[e] += p * ks_w_at(kv->v, kv->cdt, r * d + e);
         }
     });
+}
+
+/* o = softmax(q . K * scale) @ V for the query heads of `heads` kv heads from kv->kv_head on:
+ * the logits pass, a softmax per head into probs (which may be logits itself, when the logits
+ * are not needed afterwards), the values pass. logits, probs: [heads * group, len - lo];
+ * o: [heads * group, d]. len <= lo gives zeros. */
+static inline void ks_attend(const ks_kv_view *kv, const float *q, int group, int heads, int lo,
+                             int len, float scale, float *logits, float *probs, float *o) {
+    const int n = len - lo, hq = heads * group;
+    if (n <= 0) {
+        memset(o, 0, sizeof(float) * (size_t)hq * kv->d);
+        return;
+    }
+    ks_attend_logits(kv, q, group, heads, lo, len, scale, logits);
+    for (int j = 0; j < hq; j++) softmax_into(logits + (int64_t)j * n, probs + (int64_t)j * n, n);
+    ks_attend_values(kv, probs, group, heads, lo, len, o);
 }
 
 #endif

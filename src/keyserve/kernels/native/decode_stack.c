@@ -97,22 +97,6 @@ static inline void store_row(void *cache, int cdt, int64_t row, int d, const flo
     }
 }
 
-/* Decode attention of `heads` kv heads from g on (their query groups) against slots
- * [lo, len) of one sequence: o[heads * group, d] = softmax(q . K * scale) @ V (attend.h's
- * passes, as paged_decode.c). logits: [heads * group, len - lo] scratch. */
-static void attend(const Dims *c, const float *q, const void *kc, const void *vc,
-                   const int32_t *table, int g, int heads, int lo, int len, float *logits, float *o) {
-    const int n = len - lo, hq = heads * c->group;
-    const ks_kv_view kv = {kc, vc, c->cdt, table, c->block_size, c->hkv, g, c->d};
-    if (n <= 0) {
-        memset(o, 0, sizeof(float) * (size_t)hq * c->d);
-        return;
-    }
-    ks_attend_logits(&kv, q, c->group, heads, lo, len, c->scale, logits);
-    for (int j = 0; j < hq; j++) softmax_into(logits + (int64_t)j * n, logits + (int64_t)j * n, n);
-    ks_attend_values(&kv, logits, c->group, heads, lo, len, o);
-}
-
 /* y[:, o0:o1] += bias, then rounded as the model's dtype (bias may be NULL). */
 static void finish_rows(const Dims *c, float *y, int m, int ld, int o0, int o1, const void *bias) {
     if (!bias && !c->bf16) return;
@@ -263,8 +247,9 @@ int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uin
                 const int len = lens[l * lens_layer_stride + s];
                 const int lo = (win > 0 && len > win) ? len - win : 0;
                 float *o = attn + ((int64_t)s * c.hq + (int64_t)g * c.group) * c.d;
-                attend(&c, qkv + (int64_t)s * c.qkv_out + (int64_t)g * c.group * c.d, kc, vc,
-                       tables + (int64_t)s * max_blocks, g, att_heads, lo, len, logits, o);
+                const ks_kv_view kv = {kc, vc, c.cdt, tables + (int64_t)s * max_blocks, c.block_size, c.hkv, g, c.d};
+                ks_attend(&kv, qkv + (int64_t)s * c.qkv_out + (int64_t)g * c.group * c.d, c.group, att_heads, lo,
+                          len, c.scale, logits, logits, o);
                 if (c.bf16)
                     for (int i = 0; i < att_heads * c.group * c.d; i++) o[i] = ks_round_bf16(o[i]);
             }

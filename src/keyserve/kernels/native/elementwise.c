@@ -8,8 +8,8 @@
  * with bfloat16 rounded at exactly the points torch rounds (model/norm.py, model/llama.py,
  * model/rope.py), so the result is the torch path's up to float32 summation order.
  *
- * Every loop is written once per dtype with the dtype fixed, and the bf16 conversions are
- * branch-free, so the compiler vectorises them: a first version that tested the dtype per
+ * Every loop is written once per dtype with the dtype fixed, and the bf16 conversions
+ * (gemv.h's) are branch-free, so the compiler vectorises them: a first version that tested the dtype per
  * element and rounded through a branch cost more CPU than the torch ops it replaced.
  *
  * dtype: 0 = float32, 1 = bfloat16 (KS_F32 / KS_BF16); every tensor of a call has it.
@@ -18,30 +18,12 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "gemv.h"
 #include "vecmath.h"
 
 /* Below this many elements one thread is faster than waking the team (decode rows). */
 #define PARALLEL_MIN 65536
-
-static inline float bf_in(uint16_t v) {
-    const uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round-to-nearest-even to bf16, NaN kept quiet (ks_f32_to_bf16 without its branch). */
-static inline uint16_t bf_out(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)rounded;
-}
-
-static inline float bf_round(float f) { return bf_in(bf_out(f)); }
 
 static int threads_for(int64_t elements, int num_threads) {
     return elements < PARALLEL_MIN || num_threads < 1 ? 1 : num_threads;
@@ -81,16 +63,16 @@ static void add_rms_norm_bf16(const uint16_t *h, const uint16_t *y, uint16_t *h_
             uint16_t *xo = h_out + r * hidden;
             const uint16_t *yr = y + r * hidden;
 #pragma omp simd
-            for (int i = 0; i < hidden; i++) xo[i] = bf_out(bf_in(x[i]) + bf_in(yr[i]));
+            for (int i = 0; i < hidden; i++) xo[i] = ks_f32_to_bf16(ks_bf16_to_f32(x[i]) + ks_bf16_to_f32(yr[i]));
             x = xo;
         }
         float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
-        for (int i = 0; i < hidden; i++) ss += bf_in(x[i]) * bf_in(x[i]);
+        for (int i = 0; i < hidden; i++) ss += ks_bf16_to_f32(x[i]) * ks_bf16_to_f32(x[i]);
         const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
         uint16_t *o = out + r * hidden;
 #pragma omp simd
-        for (int i = 0; i < hidden; i++) o[i] = bf_out(bf_in(w[i]) * bf_round(bf_in(x[i]) * inv));
+        for (int i = 0; i < hidden; i++) o[i] = ks_f32_to_bf16(ks_bf16_to_f32(w[i]) * ks_round_bf16(ks_bf16_to_f32(x[i]) * inv));
     }
 }
 
@@ -116,8 +98,8 @@ void keyserve_silu_mul(const void *gu, void *act, int64_t rows, int inter, int d
             uint16_t *a = (uint16_t *)act + r * inter;
 #pragma omp simd
             for (int f = 0; f < inter; f++) {
-                const float x = bf_in(g[f]);
-                a[f] = bf_out(bf_round(x / (1.0f + expf(-x))) * bf_in(u[f]));
+                const float x = ks_bf16_to_f32(g[f]);
+                a[f] = ks_f32_to_bf16(ks_round_bf16(x / (1.0f + expf(-x))) * ks_bf16_to_f32(u[f]));
             }
         }
     } else {
@@ -147,9 +129,9 @@ void keyserve_rotary(const void *x, int64_t x_stride, const void *cos_, const vo
                 uint16_t *o = (uint16_t *)out + (r * heads + hh) * d;
 #pragma omp simd
                 for (int j = 0; j < half; j++) {
-                    const float x1 = bf_in(xi[j]), x2 = bf_in(xi[j + half]);
-                    o[j] = bf_out(bf_round(x1 * bf_in(c[j])) + bf_round(x2 * bf_in(s[j])));
-                    o[j + half] = bf_out(bf_round(x2 * bf_in(c[j + half])) + bf_round(x1 * bf_in(s[j + half])));
+                    const float x1 = ks_bf16_to_f32(xi[j]), x2 = ks_bf16_to_f32(xi[j + half]);
+                    o[j] = ks_f32_to_bf16(ks_round_bf16(x1 * ks_bf16_to_f32(c[j])) + ks_round_bf16(x2 * ks_bf16_to_f32(s[j])));
+                    o[j + half] = ks_f32_to_bf16(ks_round_bf16(x2 * ks_bf16_to_f32(c[j + half])) + ks_round_bf16(x1 * ks_bf16_to_f32(s[j + half])));
                 }
             }
         }

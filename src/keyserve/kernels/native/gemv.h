@@ -50,13 +50,13 @@ static inline float ks_bf16_to_f32(uint16_t v) {
     return f;
 }
 
-/* Round-to-nearest-even to bfloat16 (torch's rounding), NaN kept quiet. */
+/* Round-to-nearest-even to bfloat16 (torch's rounding), NaN kept quiet. Branch-free, so the
+ * loops that call it vectorise (elementwise.c). */
 static inline uint16_t ks_f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)rounded;
 }
 
 static inline float ks_round_bf16(float f) { return ks_bf16_to_f32(ks_f32_to_bf16(f)); }

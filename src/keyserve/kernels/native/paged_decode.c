@@ -126,10 +126,8 @@ static void decode(const float *q, const void *k_cache, const void *v_cache, int
             }
             const ks_kv_view kv = {k_cache, v_cache, cdt, tables + (int64_t)s * max_blocks,
                                    block_size, num_kv_heads, kh0, head_dim};
-            ks_attend_logits(&kv, q + ((int64_t)s * num_heads + (int64_t)kh0 * group) * head_dim,
-                             group, heads, lo, len, scale, logits);
-            for (int j = 0; j < hq; j++) softmax_into(logits + (int64_t)j * n, probs + (int64_t)j * n, n);
-            ks_attend_values(&kv, probs, group, heads, lo, len, o);
+            ks_attend(&kv, q + ((int64_t)s * num_heads + (int64_t)kh0 * group) * head_dim, group, heads,
+                      lo, len, scale, logits, probs, o);
             if (score_mode == 0) continue;
             for (int h = 0; h < heads; h++)
                 group_scores(logits + (int64_t)h * group * n, probs + (int64_t)h * group * n, group, n,
