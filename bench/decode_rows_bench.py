@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.report import BENCHMARKS_MD, markdown_table, update_section  # noqa: E402
-from bench.workloads import mixed_requests  # noqa: E402
+from bench.workloads import mixed_requests, step_until_decoding  # noqa: E402
 
 from keyserve.config import EngineConfig  # noqa: E402
 from keyserve.core.sampling_params import SamplingParams  # noqa: E402
@@ -39,11 +39,8 @@ def decode_engine(dtype: str, rows: int, context: int) -> LLMEngine:
     for i, r in enumerate(reqs):
         engine.add_request(f"r{i}", SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True),
                            prompt_token_ids=r.prompt_token_ids)
-    while True:
-        engine.step()
-        step = engine._running_step
-        if step is not None and len(step.items) == rows and all(it.num_new_tokens == 1 for it in step.items):
-            return engine
+    step_until_decoding(engine, rows)
+    return engine
 
 
 def timed(engine: LLMEngine, steps: int) -> float:

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.report import BENCHMARKS_MD, markdown_table, update_section  # noqa: E402
-from bench.workloads import mixed_requests  # noqa: E402
+from bench.workloads import mixed_requests, step_until_decoding  # noqa: E402
 
 from keyserve.config import EngineConfig  # noqa: E402
 from keyserve.core.sampling_params import SamplingParams  # noqa: E402
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     print(summary)
     if args.torch_profile:
-        profile_slowest(engine, reqs, acc, args.torch_profile)
+        profile_slowest(engine, reqs, args.torch_profile)
     if not args.no_write:
         png = DOCS / f"bench_mixed_profile_{args.dtype}.png"
         plot(acc, total, f"64 mixed requests, {args.dtype}: {out_tokens / total:.0f} useful tok/s", png)
@@ -136,16 +136,12 @@ def plot(acc, total: float, title: str, path: Path) -> None:  # noqa: ANN001
     plt.close(fig)
 
 
-def profile_slowest(engine: LLMEngine, reqs, acc, n: int) -> None:  # noqa: ANN001
+def profile_slowest(engine: LLMEngine, reqs, n: int) -> None:  # noqa: ANN001
     """A torch profile of ``n`` steps with 64 decode rows (every request in decode)."""
     for i, r in enumerate(reqs):
         engine.add_request(f"p{i}", SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True),
                            prompt_token_ids=r.prompt_token_ids)
-    while True:
-        engine.step()
-        step = engine._running_step
-        if step is not None and step_kind(step)[0].startswith("decode") and len(step.items) == len(reqs):
-            break
+    step_until_decoding(engine, len(reqs))
     with torch.profiler.profile() as prof:
         for _ in range(n):
             engine.step()

@@ -33,3 +33,12 @@ def mixed_requests(
         start = rng.randrange(0, len(corpus) - n)
         out.append(Request(corpus[start : start + n], rng.randint(*output_range)))
     return out
+
+
+def step_until_decoding(engine, num_seqs: int) -> None:  # noqa: ANN001 - an LLMEngine
+    """Step ``engine`` until a step is ``num_seqs`` decode rows (every request past its prompt)."""
+    while True:
+        engine.step()
+        step = engine._running_step
+        if step is not None and len(step.items) == num_seqs and all(it.num_new_tokens == 1 for it in step.items):
+            return
