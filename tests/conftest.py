@@ -11,6 +11,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Triton chooses between its interpreter and its compiler when it is first imported: that is
+# when triton.language's own @jit helpers (tl.zeros, tl.sum, ...) are decorated. Packages the
+# tests import at collection (transformers, Ray Serve) import triton, so the kernel tests'
+# choice -- the interpreter wherever there is no CUDA -- must be made here, before any test
+# module is imported (tests/kernels/conftest.py checks it held).
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 SHARED_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
 STORIES = Path(os.environ.get("KEYSERVE_STORIES260K", SHARED_MODELS / "stories260k"))
 
