@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from keyserve.kernels.native import gemv as native_gemv
 from keyserve.kernels.native import linear as native_linear
+from keyserve.model import packed_linear
 
 NATIVE_MAX_ROWS = 3  # measured crossover on the AVX2 CPU: native wins at 1-3 rows, loses from 4
 
@@ -45,11 +46,14 @@ def linear(
     rows -- ``kernels/native/gemv.c`` for row-major weights (what the model keeps where the
     native kernels are built), ``skinny_linear.c`` for column-major float32 ones; bf16 beyond
     that is widened to float32 GEMM where the CPU has no bf16 dot product (see the module
-    docstring)."""
+    docstring); bf16 beyond it, where the CPU has bf16 dot products, runs oneDNN on weights
+    packed once (``packed_linear``)."""
     if native_gemv.supports(x, weight, bias):
         return native_gemv.gemv(x, weight, bias)
     if bias is None and native_linear.supports(x, weight):
         return native_linear.skinny_linear(x, weight)
+    if packed_linear.supports(x, weight) and cpu_has_native_bf16():
+        return packed_linear.packed_linear(x, weight, bias)
     if (
         weight.dtype in (torch.bfloat16, torch.float16)
         and weight.device.type == "cpu"
