@@ -228,3 +228,18 @@ def test_tiny_positive_temperature_behaves_like_greedy() -> None:
     logits = torch.randn(4, 10) * 3
     tokens, _ = sample(logits, _st([_params(temperature=1e-40)] * 4), [None] * 4)
     assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_row_argmax_is_argmax_with_ties_nan_and_inf() -> None:
+    """The greedy path's faster argmax picks exactly argmax's index: the first maximum, NaN
+    first where a row has one, index 0 for an all -inf row."""
+    from keyserve.core.sampler import row_argmax
+
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [nan, 1.0, nan, 5.0], [2.0, 2.0, 2.0, 2.0], [-inf] * 4,
+                      [0.0, 1.0, nan, 1.0]])
+    assert torch.equal(row_argmax(x), x.argmax(-1))
+    assert row_argmax(x).tolist() == [1, 0, 0, 0, 2]
+    gen = torch.Generator().manual_seed(0)
+    ties = torch.randint(0, 4, (16, 49152), generator=gen).float()  # many tied maxima per row
+    assert torch.equal(row_argmax(ties), ties.argmax(-1))

@@ -95,6 +95,13 @@ def _apply_top_k_top_p(
     return torch.full_like(logits, _MASKED).scatter(-1, order, sorted_logits)
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab] -> [num_rows] int64
+    """``x.argmax(-1)`` (the first index of the row's maximum; NaN wins), by ``max``'s indices:
+    torch's CPU argmax kernel is ~2.5x slower over a 49152-wide vocabulary, a cost paid by every
+    greedy decode step."""
+    return torch.max(x, dim=-1).indices
+
+
 def processed_probs(
     logits: torch.Tensor,  # [num_rows, vocab] float32
     st: SamplingTensors,
@@ -127,12 +134,12 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # tokens [num_seqs] int64, logprobs [num_seqs]
     """Sample one token per row. Logprobs are of the raw model distribution."""
     if st.all_greedy:
-        tokens = logits.argmax(dim=-1)
+        tokens = row_argmax(logits)
     else:
         probs = torch.softmax(processed_logits(logits, st), dim=-1)
         noise = exponential_noise(logits.shape[0], logits.shape[1], generators, logits.device)
-        sampled = (probs / noise).argmax(dim=-1)
-        tokens = torch.where(st.temperature < GREEDY_BELOW, logits.argmax(dim=-1), sampled)
+        sampled = row_argmax(probs / noise)
+        tokens = torch.where(st.temperature < GREEDY_BELOW, row_argmax(logits), sampled)
     logprobs = None
     if want_logprobs:
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]

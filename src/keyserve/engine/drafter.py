@@ -35,7 +35,7 @@ import torch
 from keyserve.config import SpeculativeConfig
 from keyserve.core.block_manager import BlockManager
 from keyserve.core.kv_policy import KVBudget
-from keyserve.core.sampler import SamplingTensors, exponential_noise, make_generator, processed_probs
+from keyserve.core.sampler import SamplingTensors, exponential_noise, make_generator, processed_probs, row_argmax
 from keyserve.core.sequence import Sequence
 from keyserve.engine.kv_budget.resolve import resolve_budget
 from keyserve.engine.model_runner import ModelRunner
@@ -275,12 +275,12 @@ class Drafter:
             batch = [i for i, _ in rows]
             logits = torch.cat([result.logits[mirrors[i].seq_id] for i in batch])  # [n, vocab]
             if st_all.all_greedy:  # no distribution needed: verification compares argmaxes
-                drawn = logits.argmax(-1)
+                drawn = row_argmax(logits)
             else:
                 st = SamplingTensors.from_params([targets[i].params for i in batch], logits.device)
                 p = processed_probs(logits, st)  # [n, vocab]
                 gens = [self.generators[targets[i].seq_id] for i in batch]
-                drawn = (p / exponential_noise(len(batch), p.shape[-1], gens, p.device)).argmax(-1)
+                drawn = row_argmax(p / exponential_noise(len(batch), p.shape[-1], gens, p.device))
                 if probs is None:
                     probs = torch.zeros(b, k_max, p.shape[-1], dtype=torch.float32, device=p.device)
                 probs[torch.tensor(batch, device=p.device), step] = p  # one copy for the batch
