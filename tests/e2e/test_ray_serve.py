@@ -3,17 +3,15 @@ driven by the ``openai`` client; one local Ray (2 CPUs, small object store) for 
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
+from ray_serve_cluster import metrics, ray_serve_cluster
 
-from keyserve.cluster.launcher import free_port
 from keyserve.cluster.serve_app import ServeArgs, build_app
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own pydantic use
@@ -46,23 +44,14 @@ def test_build_app_validates_its_args() -> None:
 
 @pytest.fixture(scope="module")
 def serve_url(stories_path: str):
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
     from ray import serve
 
-    port = free_port()
-    env = {"OMP_NUM_THREADS": "1", **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})}
-    ray.init(address="local", num_cpus=2, object_store_memory=200 * 1024 * 1024, include_dashboard=False,
-             runtime_env={"env_vars": env})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with ray_serve_cluster() as url:
         args = {**example_app()["args"], "model": stories_path, "num_blocks": 256, "api_key": KEY}
         serve.run(build_app(args), name="keyserve", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
         STARTUP_HEALTH.extend(wait_healthy(url))
         yield url
-        serve.shutdown()
-    finally:
-        ray.shutdown()
 
 
 def wait_healthy(url: str, timeout: float = 300.0) -> list[tuple[int, dict]]:
@@ -76,15 +65,6 @@ def wait_healthy(url: str, timeout: float = 300.0) -> list[tuple[int, dict]]:
             return seen
         assert time.monotonic() < deadline, seen[-5:]
         time.sleep(0.1)
-
-
-def metrics(url: str) -> dict[str, float]:
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        for s in family.samples:
-            label = s.labels.get("finished_reason") or s.labels.get("status")
-            out[s.name + (f"{{{label}}}" if label else "")] = s.value
-    return out
 
 
 def replica_logs() -> str:

@@ -13,9 +13,9 @@ import time
 
 import httpx
 import pytest
+from ray_serve_cluster import metrics, ray_serve_cluster
 
 from keyserve import LLM, SamplingParams
-from keyserve.cluster.launcher import free_port
 from keyserve.cluster.serve_app import build_app
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own pydantic use
@@ -25,19 +25,9 @@ ACTORS = ("TargetShardActor", "DraftActor", "KVManagerActor")
 
 @pytest.fixture(scope="module")
 def serve_url():
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
-    port = free_port()
-    env = {"OMP_NUM_THREADS": "1", **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})}
-    ray.init(address="local", num_cpus=2, object_store_memory=200 * 1024 * 1024, include_dashboard=False,
-             runtime_env={"env_vars": env})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}"
-        serve.shutdown()
-    finally:
-        ray.shutdown()
+    pytest.importorskip("ray")
+    with ray_serve_cluster() as url:
+        yield url
 
 
 def deploy(url: str, name: str, stories_path: str, draft_dir: str | None, tp: int, replicas: int = 1) -> str:
@@ -61,17 +51,6 @@ def alive(class_name: str) -> list[dict]:
 
     return [a for a in ray._private.state.actors().values()
             if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]
-
-
-def metrics(base: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text):
-        for s in family.samples:
-            label = s.labels.get("finished_reason")
-            out[s.name + (f"{{{label}}}" if label else "")] = s.value
-    return out
 
 
 @pytest.fixture(scope="module")

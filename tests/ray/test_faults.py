@@ -12,6 +12,8 @@ from collections.abc import Callable
 import pytest
 import ray
 
+from helpers.drive import run_with_action
+
 from keyserve import LLM, SamplingParams
 from keyserve.actors.ray_engine import RayEngine
 from keyserve.llm import RayLLM
@@ -47,16 +49,7 @@ def _workload(seed: int, seeded_plain: bool = False) -> tuple[list[str], list[Sa
 
 
 def _run(engine: RayEngine, prompts, params, kill: Callable[[], None], at_step: int = 4) -> list:
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    done, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        steps += 1
-        if steps == at_step:
-            kill()
-    return [done[rid] for rid in ids]
+    return run_with_action(engine, prompts, params, kill, at_step)
 
 
 def _check(engine: RayEngine, reference: LLM, prompts, params, got) -> None:

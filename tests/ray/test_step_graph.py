@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from helpers.drive import run_with_action
 
 from keyserve import LLM, SamplingParams
 from keyserve.llm import RayLLM
@@ -90,25 +91,20 @@ def test_a_shard_lost_between_steps_loses_no_command(stories_path: str, draft_di
     with RayLLM(stories_path, draft=draft_dir, tensor_parallel_size=2, worker_threads=1, worker_num_cpus=0.1,
                 **OPTIONS) as llm:
         engine = llm.engine
-        ids = [engine.add_request(p, sp) for p, sp in zip(prompts[:6], params[:6])]
-        done, steps = {}, 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-            steps += 1
-            assert steps < 400, "requests the KV-block manager never got"
-            if steps == 3:
-                victim = engine.group.workers[1]
-                ray.kill(victim)
-                while any(a["State"] != "DEAD" for a in ray._private.state.actors().values()
-                          if a["ActorID"] == victim._actor_id.hex()):
-                    time.sleep(0.1)
-                time.sleep(1.0)  # the graph's own monitor sees it too
-                ids += [engine.add_request(p, sp) for p, sp in zip(prompts[6:8], params[6:8])]
+
+        def lose_a_shard_then_add_two() -> list[str]:
+            victim = engine.group.workers[1]
+            ray.kill(victim)
+            while any(a["State"] != "DEAD" for a in ray._private.state.actors().values()
+                      if a["ActorID"] == victim._actor_id.hex()):
+                time.sleep(0.1)
+            time.sleep(1.0)  # the graph's own monitor sees it too
+            return [engine.add_request(p, sp) for p, sp in zip(prompts[6:8], params[6:8])]
+
+        got = run_with_action(engine, prompts[:6], params[:6], lose_a_shard_then_add_two, at_step=3)
         assert engine.group.num_restarts == 1 and engine.num_graph_compiles == 2
         engine.flush()
         view = engine.check_consistent()
         assert view.num_free_blocks == view.num_blocks and view.num_running_seqs == view.num_waiting_seqs == 0
-    for a, b in zip(want, [done[rid] for rid in ids], strict=True):
+    for a, b in zip(want, got, strict=True):
         assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]
