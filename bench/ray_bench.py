@@ -30,6 +30,10 @@ from bench.report import markdown_table, update_section  # noqa: E402
 from bench.workloads import documents  # noqa: E402
 
 BATCHES = (1, 16)
+# The engines take turns: a waiting engine's compiled graph is released this soon, so its
+# busy-waiting actors do not take the cores of the one being timed (each timed run compiles
+# again in its untimed prefill steps).
+IDLE_RELEASE_S = 0.3
 
 
 class Timer:
@@ -187,7 +191,7 @@ def main() -> None:
             for graph in (True, False):
                 engines[f"ray tp={tp} {'graph' if graph else 'plain'}"] = RayEngine(EngineConfig.from_flat(
                     **opts, tp=tp, worker_threads=max(1, args.threads // tp), worker_num_cpus=0.1,
-                    compiled_graph=graph))
+                    compiled_graph=graph, graph_idle_release_s=IDLE_RELEASE_S))
         rtt = round_trip_ms(engines["ray tp=1 graph"])
         by_batch = {b: interleaved(engines, b, args.decode_tokens, args.repeats) for b in BATCHES}
     finally:

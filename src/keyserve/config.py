@@ -203,6 +203,11 @@ class ParallelConfig(_Strict):
         True, description="Run each step as one Ray Compiled Graph (KV-block manager -> draft -> "
         "target shards, shared-memory channels, compiled once); false: plain actor calls from the driver."
     )
+    graph_idle_release_s: float = Field(
+        2.0, gt=0.0, description="Tear the compiled step graph down after this many seconds without "
+        "requests: its actors busy-wait on their channels (a core each) while it exists. The next "
+        "step compiles it again (~0.2-0.5 s)."
+    )
 
     @property
     def uses_ray(self) -> bool:

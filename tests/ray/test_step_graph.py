@@ -108,3 +108,48 @@ def test_a_shard_lost_between_steps_loses_no_command(stories_path: str, draft_di
         assert view.num_free_blocks == view.num_blocks and view.num_running_seqs == view.num_waiting_seqs == 0
     for a, b in zip(want, got, strict=True):
         assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes so far (from /proc)."""
+    import os
+
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/stat"), reason="needs /proc for CPU times")
+def test_an_idle_graph_is_released_and_compiled_again(stories_path: str) -> None:
+    """While the compiled graph exists its actors busy-wait on their channels (a core each);
+    after ``graph_idle_release_s`` without requests it is torn down -- the actors' CPU time
+    stops growing -- and the next request compiles it again and gets the same tokens."""
+    import time
+
+    import ray
+
+    prompts, params = _workload()
+    prompts, params = prompts[:3], [p.model_copy(update={"temperature": 0.0, "seed": None}) for p in params[:3]]
+    with RayLLM(stories_path, worker_threads=1, worker_num_cpus=0.1, graph_idle_release_s=0.5, **OPTIONS) as llm:
+        engine = llm.engine
+        first = llm.generate(prompts, params)
+        assert engine.num_graph_compiles == 1
+        deadline = time.monotonic() + 60
+        while engine.num_graph_releases == 0:
+            assert time.monotonic() < deadline, "the idle graph was never released"
+            time.sleep(0.1)
+        assert engine._graph is None
+        pids = [a["Pid"] for a in ray._private.state.actors().values()
+                if a["State"] == "ALIVE" and a["ActorClassName"] in ("TargetShardActor", "KVManagerActor")]
+        assert len(pids) == 2
+        before = _cpu_seconds(pids)
+        time.sleep(2.0)
+        used = _cpu_seconds(pids) - before
+        assert used < 0.5, f"the released graph's actors still used {used:.2f} CPU-s in 2 s"
+        again = llm.generate(prompts, params)
+        assert engine.num_graph_compiles == 2
+    for a, b in zip(first, again, strict=True):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]

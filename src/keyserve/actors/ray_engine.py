@@ -13,6 +13,8 @@ KV-block manager is replaced and the affected sequences are recomputed from thei
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 import torch
@@ -49,6 +51,12 @@ class RayEngine(LLMEngine):
         self.core_client: RemoteCore | None = None
         self._graph: StepGraph | None = None
         self.num_graph_compiles = 0
+        self.num_graph_releases = 0
+        # The step and the idle release both touch the graph: one at a time.
+        self._graph_lock = threading.Lock()
+        self._last_active = time.monotonic()
+        self._closed = threading.Event()
+        self._idle_reaper: threading.Thread | None = None
         try:
             parts = self._remote_parts(config)
         except BaseException:
@@ -57,6 +65,10 @@ class RayEngine(LLMEngine):
         super().__init__(config, parts=parts)
         self.num_recoveries = 0
         self._failures = 0
+        if config.parallel.compiled_graph:
+            self._idle_reaper = threading.Thread(target=self._release_when_idle, daemon=True,
+                                                 name="keyserve-graph-idle")
+            self._idle_reaper.start()
 
     def _remote_parts(self, config: EngineConfig) -> build.EngineParts:
         """The builder's parts with actors in place of the local ones: the tensor-parallel
@@ -121,7 +133,26 @@ class RayEngine(LLMEngine):
     def _step(self) -> list[RequestOutput]:
         if not self.config.parallel.compiled_graph:
             return super()._step()
-        return self._graph_step()
+        with self._graph_lock:
+            try:
+                return self._graph_step()
+            finally:
+                self._last_active = time.monotonic()
+
+    def _release_when_idle(self) -> None:
+        """While the compiled graph exists its actors spin on their input channels (Ray's
+        shared-memory reads busy-wait): an idle server would hold a core per actor. After
+        ``graph_idle_release_s`` without requests the graph is torn down; the next step
+        compiles it again."""
+        idle_s = self.config.parallel.graph_idle_release_s
+        while not self._closed.wait(min(0.25, idle_s / 2)):
+            if self._graph is None or self.requests or time.monotonic() - self._last_active < idle_s:
+                continue
+            with self._graph_lock:
+                if self._graph is not None and not self.requests and \
+                        time.monotonic() - self._last_active >= idle_s:
+                    self._drop_graph()
+                    self.num_graph_releases += 1
 
     def _graph_step(self) -> list[RequestOutput]:
         """``LLMEngine._step`` as one execution of the compiled step graph: schedule, propose
@@ -226,7 +257,11 @@ class RayEngine(LLMEngine):
         return self.core_client.check_consistent()
 
     def shutdown(self) -> None:
-        self._drop_graph()
+        self._closed.set()
+        if self._idle_reaper is not None and self._idle_reaper is not threading.current_thread():
+            self._idle_reaper.join()
+        with self._graph_lock:
+            self._drop_graph()
         for part in (self.group, self.drafter_client, self.core_client):
             if part is not None:
                 part.shutdown()
