@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
-import time
-from datetime import date
 from pathlib import Path
 
 import torch
@@ -26,23 +23,16 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.linear_bench import HIDDEN, INTER, LAYERS, pass_ms  # noqa: E402
 from bench.report import markdown_table, update_section  # noqa: E402
 from keyserve.model import packed_linear  # noqa: E402
 
-HIDDEN, INTER, QKV, LAYERS = 576, 1536, 960, 30
+QKV = 960  # fused q, k, v rows: 9 + 2 x 3 heads of 64
 
 
 def smollm2_bf16_weights() -> list[torch.Tensor]:  # each [out, in], row-major bf16
     shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS
     return [(torch.randn(o, i) * 0.05).to(torch.bfloat16) for o, i in shapes]
-
-
-def pass_ms(fn, weights: list[torch.Tensor], xs: dict[int, torch.Tensor]) -> float:
-    """Milliseconds of one pass of ``fn`` over every weight."""
-    t = time.perf_counter()
-    for w in weights:
-        fn(xs[w.shape[1]], w)
-    return (time.perf_counter() - t) * 1e3
 
 
 def main() -> None:
@@ -68,8 +58,8 @@ def main() -> None:
                          - F.linear(xs[w.shape[1]], w).float()).abs().max().item() for w in weights[:4])
             t_plain = t_packed = float("inf")
             for _ in range(args.reps if m <= 256 else 2):  # interleaved, one pass each
-                t_plain = min(t_plain, pass_ms(F.linear, weights, xs))
-                t_packed = min(t_packed, pass_ms(packed_linear.packed_linear, weights, xs))
+                t_plain = min(t_plain, pass_ms(F.linear, weights, xs, 1))
+                t_packed = min(t_packed, pass_ms(packed_linear.packed_linear, weights, xs, 1))
             rows.append([threads, m, round(t_plain, 1), round(t_packed, 1), f"{t_plain / t_packed:.2f}×",
                          f"{worst:.2g}"])
             tqdm.write(str(rows[-1]))
@@ -77,8 +67,7 @@ def main() -> None:
     table = markdown_table(["threads", "rows m", "F.linear ms", "packed ms", "speed-up",
                             "max |diff| (first layer)"], rows)
     body = (
-        f"`python bench/packed_linear_bench.py`, {date.today()}, {platform.processor() or platform.machine()}, "
-        f"torch {torch.__version__}, load average up to {load:.2f}. One pass over SmolLM2-135M's "
+        f"Load average up to {load:.2f}. One pass over SmolLM2-135M's "
         "bf16 layer weights (30 × fused qkv, o, gate-up, down; 270 MB), fastest of the repetitions, "
         "the two ways interleaved per row count. The engine uses the packed weights for bf16 "
         "products of more rows than the native few-row kernel takes "
