@@ -146,9 +146,7 @@ class RayEngine(LLMEngine):
         compiles it again."""
         idle_s = self.config.parallel.graph_idle_release_s
         while not self._closed.wait(min(0.25, idle_s / 2)):
-            if self._graph is None or self.requests or time.monotonic() - self._last_active < idle_s:
-                continue
-            with self._graph_lock:
+            with self._graph_lock:  # waits out a running step
                 if self._graph is not None and not self.requests and \
                         time.monotonic() - self._last_active >= idle_s:
                     self._drop_graph()
