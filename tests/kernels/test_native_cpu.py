@@ -88,6 +88,31 @@ def test_decode_shapes_and_work_splits(dtype: torch.dtype, shape: tuple[int, int
         torch.testing.assert_close(scores, want_scores, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 8, 32, 48])
+@pytest.mark.parametrize("window", [None, 37])
+def test_decode_block_sizes(dtype: torch.dtype, block_size: int, window: int | None) -> None:
+    """attend.h walks the slots in runs of at most one vector's width (16 slots with AVX-512, 8
+    with AVX2) inside a block: blocks narrower than a run (1, 8: every run partial), wider ones
+    (32, 48: several runs per block, the next run's prefetch inside the same block) and a
+    window starting inside a block, with scores, against the reference."""
+    g = torch.Generator().manual_seed(11)
+    lens = [1, 15, 16, 17, 95, 130]
+    nb = sum((n + block_size - 1) // block_size for n in lens) + 3
+    k = torch.randn(nb, block_size, HKV, D, generator=g).to(dtype)
+    v = torch.randn(nb, block_size, HKV, D, generator=g).to(dtype)
+    q = torch.randn(len(lens), H, D, generator=g).to(dtype)
+    mb = max((n + block_size - 1) // block_size for n in lens)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:mb] for _ in lens]).int()
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    want_out, want_scores = ref.paged_decode_attention_reference(
+        q, k, v, tables, ctx, 0.125, window, score_mode="softmax")
+    out, scores = paged_decode_attention_native(q, k, v, tables, ctx, 0.125, window, score_mode="softmax")
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), want_out.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(scores, want_scores, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_matches_sdpa_path_at_batch() -> None:
     """Many sequences of very different lengths, against the engine's torch fast path."""
     lens = [int(x) for x in torch.randint(1, 700, (24,), generator=torch.Generator().manual_seed(3))]
