@@ -56,6 +56,36 @@ def test_streams_snapshots_until_finished(engine: AsyncLLMEngine) -> None:
     assert idle(engine)
 
 
+def test_final_only_streams_the_finished_snapshot_alone(engine: AsyncLLMEngine) -> None:
+    """A non-streaming consumer (``final_only``) gets one snapshot, the finished one, equal to
+    the last of a streamed run of the same request; the streamed run beside it still gets one
+    per step, and a final-only request aborted midway still ends its stream."""
+
+    async def run(final_only: bool, params: SamplingParams = GREEDY):
+        stream = await engine.add_request("Once upon a time", params, final_only=final_only)
+        return [out async for out in stream]
+
+    async def main():
+        return await asyncio.gather(run(True), run(False))
+
+    final, streamed = asyncio.run(main())
+    assert len(streamed) > 1
+    assert len(final) == 1 and final[0].finished
+    assert final[0].outputs[0].token_ids == streamed[-1].outputs[0].token_ids
+    assert final[0].text == streamed[-1].text
+
+    async def aborted():
+        stream = await engine.add_request("Once upon a time", LONG, final_only=True)
+        await asyncio.sleep(0.05)
+        await engine.abort(stream.request_id)
+        return [out async for out in stream]
+
+    outs = asyncio.run(aborted())
+    assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "abort"
+    asyncio.run(settle(engine))
+    assert not engine._final_only
+
+
 def test_concurrent_callers_share_steps(engine: AsyncLLMEngine) -> None:
     before = engine.stats().num_steps
 

@@ -218,7 +218,8 @@ class OpenAIServing:
         streams: list[RequestStream] = []
         try:
             for i, job in enumerate(jobs):
-                streams.append(await self.engine.add_request(params=params, request_id=f"{rid}-{i}", **job))
+                streams.append(await self.engine.add_request(params=params, request_id=f"{rid}-{i}",
+                                                             final_only=not req.stream, **job))
         except BaseException:
             for s in streams:
                 await s.aclose()
