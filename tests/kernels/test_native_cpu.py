@@ -179,11 +179,17 @@ def test_write_kv_equals_reference(dtype: torch.dtype, per_head: bool) -> None:
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
 
 
-def test_write_kv_rejects_out_of_range_slots() -> None:
-    k = torch.zeros(NB, BS, HKV, D)
-    with pytest.raises(IndexError, match="out of range"):
-        write_kv_native(torch.zeros(1, HKV, D), torch.zeros(1, HKV, D), k, k.clone(),
-                        torch.tensor([NB * BS]))
+@pytest.mark.parametrize("per_head", [False, True])
+def test_write_kv_rejects_out_of_range_slots(per_head: bool) -> None:
+    """A slot past the cache, anywhere in the mapping (here the last token's, or one kv head's),
+    is refused before anything is written: the valid first token's rows stay unwritten."""
+    k, v = torch.zeros(NB, BS, HKV, D), torch.zeros(NB, BS, HKV, D)
+    slots = torch.tensor([0, NB * BS])
+    if per_head:
+        slots = torch.tensor([[0, 1, 2], [3, NB * BS + 5, 4]])
+    with pytest.raises(IndexError, match=f"slot {NB * BS + (5 if per_head else 0)} out of range"):
+        write_kv_native(torch.ones(2, HKV, D), torch.ones(2, HKV, D), k, v, slots)
+    assert not k.any() and not v.any()
 
 
 def test_supports_only_cpu_contiguous_float32_or_bf16() -> None:

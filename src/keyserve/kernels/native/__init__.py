@@ -120,9 +120,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.keyserve_gumbel_noise.argtypes = [p, u32, u32, i, ctypes.c_int64, i, ctypes.c_int64, i, i]
     lib.keyserve_skinny_linear.restype = None
     lib.keyserve_skinny_linear.argtypes = [p, i, i, p, i, p]
-    lib.keyserve_write_kv.restype = None
-    lib.keyserve_write_kv.argtypes = [p, p, p, p, p, i, i, i, i, i, i]
     i64 = ctypes.c_int64
+    lib.keyserve_write_kv.restype = i64
+    lib.keyserve_write_kv.argtypes = [p, p, p, p, p, i, i, i, i, i, i, i64]
     lib.keyserve_gemv.restype = None
     lib.keyserve_gemv.argtypes = [p, i, i, p, i, p, i, p, i, i]
     lib.keyserve_read_stream.restype = ctypes.c_double

@@ -190,11 +190,19 @@ void keyserve_gumbel_noise(float *out, uint32_t seed, uint32_t head_key0, int nu
  * slots[i * slot_stride + h * head_stride] (head_stride 0: one slot per token; a slot < 0 is
  * skipped). key/value rows are [num_tokens, num_kv_heads, head_dim] contiguous in the cache's
  * dtype; elem_size is that dtype's size in bytes. One memcpy per (token, head) row, instead of
- * the boolean-mask index_put (a nonzero, an index and a scatter per tensor) torch needs. */
-void keyserve_write_kv(const void *key, const void *value, void *k_cache, void *v_cache,
-                       const int64_t *slots, int num_tokens, int num_kv_heads, int head_dim,
-                       int elem_size, int slot_stride, int head_stride) {
+ * the boolean-mask index_put (a nonzero, an index and a scatter per tensor) torch needs.
+ * Every slot is checked against num_slots first (here: a torch max and a sync per layer cost
+ * more than the copy): returns -1, or the first slot out of range with nothing written. */
+int64_t keyserve_write_kv(const void *key, const void *value, void *k_cache, void *v_cache,
+                          const int64_t *slots, int num_tokens, int num_kv_heads, int head_dim,
+                          int elem_size, int slot_stride, int head_stride, int64_t num_slots) {
     const size_t row = (size_t)head_dim * elem_size;
+    const int per_token = head_stride ? num_kv_heads : 1;
+    for (int i = 0; i < num_tokens; i++)
+        for (int h = 0; h < per_token; h++) {
+            const int64_t slot = slots[(int64_t)i * slot_stride + (int64_t)h * head_stride];
+            if (slot >= num_slots) return slot;
+        }
     for (int i = 0; i < num_tokens; i++) {
         for (int h = 0; h < num_kv_heads; h++) {
             const int64_t slot = slots[(int64_t)i * slot_stride + (int64_t)h * head_stride];
@@ -205,4 +213,5 @@ void keyserve_write_kv(const void *key, const void *value, void *k_cache, void *
             memcpy((char *)v_cache + dst, (const char *)value + src, row);
         }
     }
+    return -1;
 }

@@ -35,12 +35,12 @@ def write_kv_native(
     k = key.to(k_cache.dtype).contiguous()
     v = value.to(v_cache.dtype).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
-    if slots.numel() and int(slots.max()) >= num_slots:
-        raise IndexError(f"slot_mapping: slot {int(slots.max())} out of range for {num_slots} slots")
     per_head = slots.dim() == 2
     if num_tokens:
-        lib.keyserve_write_kv(
+        bad = lib.keyserve_write_kv(
             k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
             num_tokens, num_kv_heads, head_dim, k_cache.element_size(),
-            num_kv_heads if per_head else 1, 1 if per_head else 0,
+            num_kv_heads if per_head else 1, 1 if per_head else 0, num_slots,
         )
+        if bad >= 0:
+            raise IndexError(f"slot_mapping: slot {bad} out of range for {num_slots} slots")
