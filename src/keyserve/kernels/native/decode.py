@@ -63,13 +63,16 @@ def paged_decode_attention_native(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if v_cache.dtype != k_cache.dtype or not v_cache.is_contiguous():
         raise ValueError("v_cache must be contiguous with k_cache's dtype")
-    q = _as(query, torch.float32)
+    # float32 and bf16 queries go in as they are (the kernel widens bf16 and rounds its output
+    # back); anything else is computed in float32
+    io_dtype = query.dtype if query.dtype in _CACHE_DTYPES else torch.float32
+    q = _as(query, io_dtype)
     tables = _as(block_tables, torch.int32)
     lens = _as(context_lens, torch.int32)
     mode = {None: 0, "softmax": 1, "gumbel": 2}[score_mode]
     if mode and max_context is None:
         max_context = int(lens.max()) if num_seqs else 0
-    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=io_dtype)
     scores = None
     if mode:
         scores = torch.empty(num_seqs, num_kv_heads, max_context, dtype=torch.float32)
@@ -94,6 +97,7 @@ def paged_decode_attention_native(
             None if keys is None else keys.data_ptr(), noise_layer & 0xFFFFFFFF,
             None if scores is None else scores.data_ptr(),
             -1 if max_context is None else max_context, torch.get_num_threads(), PARALLEL_MIN_ROWS,
+            _CACHE_DTYPES[io_dtype],
         )
     return out.to(query.dtype), scores
 

@@ -94,12 +94,12 @@ static void group_scores(const float *logits, const float *probs, int group, int
  * thread busy a sequence's kv heads go together, so each slot's rows (every kv head's, one
  * contiguous stretch) are read once, front to back; with few sequences (batch 1) one item per
  * kv head spreads the work over the threads. */
-static void decode(const float *q, const void *k_cache, const void *v_cache, int cdt,
+static void decode(const void *q, const void *k_cache, const void *v_cache, int cdt,
                    const int32_t *tables, int max_blocks, const int32_t *lens, int num_seqs,
                    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                   int window, float *out, int score_mode, const float *tau, const float *uniforms,
+                   int window, void *out, int score_mode, const float *tau, const float *uniforms,
                    const int64_t *noise_keys, uint32_t noise_layer, float *scores, int max_ctx,
-                   int num_threads) {
+                   int num_threads, int iodt) {
     const int group = num_heads / num_kv_heads;
     const int heads = num_seqs >= 4 * num_threads ? num_kv_heads : 1; /* kv heads per item */
     const int per_seq = num_kv_heads / heads;
@@ -109,6 +109,10 @@ static void decode(const float *q, const void *k_cache, const void *v_cache, int
         float *logits = malloc(sizeof(float) * (size_t)heads * group * ctx);
         float *probs = malloc(sizeof(float) * (size_t)heads * group * ctx);
         float *noisy = score_mode == 2 ? malloc(sizeof(float) * ctx) : NULL;
+        /* bf16 queries are widened here and outputs rounded (RNE) here: two torch conversions
+         * per layer cost more than the step's whole KV write */
+        float *qf = iodt == KS_BF16 ? malloc(sizeof(float) * (size_t)heads * group * head_dim * 2) : NULL;
+        float *of = qf ? qf + (size_t)heads * group * head_dim : NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < num_seqs * per_seq; task++) {
             const int s = task / per_seq, kh0 = (task % per_seq) * heads;
@@ -116,9 +120,10 @@ static void decode(const float *q, const void *k_cache, const void *v_cache, int
             const int lo = (window > 0 && len > window) ? len - window : 0;
             const int n = len - lo;
             const int hq = heads * group;
-            float *o = out + ((int64_t)s * num_heads + (int64_t)kh0 * group) * head_dim;
+            const int64_t first = ((int64_t)s * num_heads + (int64_t)kh0 * group) * head_dim;
             if (n <= 0) {
-                memset(o, 0, sizeof(float) * (size_t)hq * head_dim);
+                const size_t esize = iodt == KS_BF16 ? 2 : 4;
+                memset((char *)out + first * esize, 0, esize * (size_t)hq * head_dim);
                 if (score_mode != 0)
                     memset(scores + ((int64_t)s * num_kv_heads + kh0) * max_ctx, 0,
                            sizeof(float) * (size_t)heads * max_ctx);
@@ -126,8 +131,16 @@ static void decode(const float *q, const void *k_cache, const void *v_cache, int
             }
             const ks_kv_view kv = {k_cache, v_cache, cdt, tables + (int64_t)s * max_blocks,
                                    block_size, num_kv_heads, kh0, head_dim};
-            ks_attend(&kv, q + ((int64_t)s * num_heads + (int64_t)kh0 * group) * head_dim, group, heads,
-                      lo, len, scale, logits, probs, o);
+            const float *qs = (const float *)q + first;
+            float *o = (float *)out + first;
+            if (iodt == KS_BF16) {
+                for (int64_t e = 0; e < (int64_t)hq * head_dim; e++) qf[e] = ks_bf16_to_f32(((const uint16_t *)q)[first + e]);
+                qs = qf;
+                o = of;
+            }
+            ks_attend(&kv, qs, group, heads, lo, len, scale, logits, probs, o);
+            if (iodt == KS_BF16)
+                for (int64_t e = 0; e < (int64_t)hq * head_dim; e++) ((uint16_t *)out)[first + e] = ks_f32_to_bf16(of[e]);
             if (score_mode == 0) continue;
             for (int h = 0; h < heads; h++)
                 group_scores(logits + (int64_t)h * group * n, probs + (int64_t)h * group * n, group, n,
@@ -138,20 +151,21 @@ static void decode(const float *q, const void *k_cache, const void *v_cache, int
         free(logits);
         free(probs);
         free(noisy);
+        free(qf);
     }
 }
 
-/* Entry point (ctypes). cache_dtype: 0 = float32, 1 = bfloat16. score_mode: 0 none,
+/* Entry point (ctypes). cache_dtype and io_dtype (q and out): 0 = float32, 1 = bfloat16. score_mode: 0 none,
  * 1 softmax, 2 gumbel. uniforms may be NULL (then U is the noise hash of noise_keys [num_seqs,
  * 2] = (seed, query position) and noise_layer + head). scores may be NULL when score_mode == 0. */
-void keyserve_paged_decode(const float *q, const void *k_cache, const void *v_cache,
+void keyserve_paged_decode(const void *q, const void *k_cache, const void *v_cache,
                            int cache_dtype, const int32_t *tables, int max_blocks,
                            const int32_t *lens, int num_seqs, int num_heads, int num_kv_heads,
-                           int head_dim, int block_size, float scale, int window, float *out,
+                           int head_dim, int block_size, float scale, int window, void *out,
                            int score_mode, const float *tau, const float *uniforms,
                            const int64_t *noise_keys, uint32_t noise_layer, float *scores,
                            int max_ctx, int num_threads,
-                           int parallel_min_rows) {
+                           int parallel_min_rows, int io_dtype) {
     if (max_ctx < 0) { /* not given (no score output): the longest context sizes the buffers */
         max_ctx = 0;
         for (int s = 0; s < num_seqs; s++) max_ctx = lens[s] > max_ctx ? lens[s] : max_ctx;
@@ -160,7 +174,7 @@ void keyserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
     if (num_threads < 1) num_threads = 1;
     decode(q, k_cache, v_cache, cache_dtype == 1 ? KS_BF16 : KS_F32, tables, max_blocks, lens,
            num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, out, score_mode,
-           tau, uniforms, noise_keys, noise_layer, scores, max_ctx, num_threads);
+           tau, uniforms, noise_keys, noise_layer, scores, max_ctx, num_threads, io_dtype == 1 ? KS_BF16 : KS_F32);
 }
 
 /* Keyformer's Gumbel noise zeta = -log(-log U) for one sequence's chunk of queries (the CPU
