@@ -26,6 +26,7 @@ from keyserve.model.loader import load_model
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: native kernels not built")
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 0.0}  # bf16: every rounding point is torch's
+TOL_AMX = 2**-6  # bf16 on AMX tiles: float32 sums in another order than oneDNN's; two bf16 steps
 
 
 @pytest.fixture
@@ -79,13 +80,13 @@ def _steps(runner: PagedRunner, seqs: dict[int, list[int]], lens: list[int]) -> 
 
 
 def _compare_steps(model: LlamaForCausalLM, lens: list[int], steps: int, block_size: int = 4,
-                   num_blocks: int = 64) -> int:
+                   num_blocks: int = 64, tol: float | None = None) -> int:
     """Run the same decode steps natively and through torch on two identical caches; compare
     each step's logits and every layer's newly written K/V. Returns the native step count."""
     seqs = _seqs(model.config.vocab_size, lens, steps)
     a = PagedRunner(model, num_blocks=num_blocks, block_size=block_size, seed=3)
     b = PagedRunner(model, num_blocks=num_blocks, block_size=block_size, seed=3)
-    tol = TOL[model.dtype]
+    tol = TOL[model.dtype] if tol is None else tol
     count = 0
     with torch.inference_mode():
         for (ids, pos, meta), (ids_b, pos_b, meta_b) in zip(_steps(a, seqs, lens), _steps(b, seqs, lens)):
@@ -208,3 +209,32 @@ def test_switched_off_gives_the_same_results(monkeypatch: pytest.MonkeyPatch, st
         monkeypatch.delenv("KEYSERVE_NATIVE_KERNELS")
         native.library.cache_clear()
     torch.testing.assert_close(on_logits, off_logits, atol=2e-5, rtol=2e-5)
+
+
+def _amx_model(**overrides) -> LlamaForCausalLM:  # noqa: ANN003
+    """The tiny llama with an MLP the AMX tiles divide (inputs by 32, outputs by 16)."""
+    model = ours_from_hf(tiny_hf("llama", seed=4, intermediate_size=128, **overrides), dtype=torch.bfloat16)
+    if model._native_decode._packed is None:
+        pytest.skip("no AMX here (CPU, compiler or kernel permission): the bf16 step stops at 16 rows")
+    return model
+
+
+@pytest.mark.parametrize("rows", [17, 40, 64])
+def test_bf16_rows_past_16_on_amx_tiles(rows: int, native_calls: list[int]) -> None:
+    """Where the CPU has AMX, bf16 steps of 17-64 rows run natively with their products on
+    AMX tiles (packed weights): K/V written, hidden states and logits against the torch path
+    (whose products are oneDNN's). The sums are float32 in both, in different orders, so a
+    value may differ by a bf16 rounding step; every one must be within two."""
+    model = _amx_model()
+    assert model._native_decode.max_rows == 64
+    seqs = [3 + (i * 7) % 29 for i in range(rows)]
+    n = _compare_steps(model, seqs, steps=3, num_blocks=8 * rows, tol=TOL_AMX)
+    assert native_calls[0] == n == 3
+
+
+def test_amx_off_switch_keeps_bf16_at_16_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KEYSERVE_AMX=0: no packed copy, and bf16 keeps the vector kernels' 16-row limit."""
+    monkeypatch.setenv("KEYSERVE_AMX", "0")
+    model = ours_from_hf(tiny_hf("llama", seed=4, intermediate_size=128), dtype=torch.bfloat16)
+    assert model._native_decode._packed is None
+    assert model._native_decode.max_rows == ROW_LIMITS[torch.bfloat16] == 16

@@ -22,8 +22,10 @@ _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # The most decode rows a step takes natively, by weight dtype, from bench/decode_rows_bench.py
 # (BENCHMARKS.md "decode_rows", AMX Xeon, 2 threads, 512-token contexts): float32's native step
 # beat the torch path at every row count measured (1.26x at 16 rows, 1.06x at 64); in bf16 the
-# torch path's oneDNN GEMMs (AMX) win from 24 rows (0.91x) on.
+# vector kernels lose to the torch path's oneDNN GEMMs (AMX) from 24 rows (0.91x) on, so bf16
+# goes to 64 rows only where the step runs its own products on AMX tiles (amx_linear.c).
 ROW_LIMITS = {torch.float32: 64, torch.bfloat16: MAX_ROWS}
+AMX_MAX_ROWS = 64  # amx.h's KS_AMX_MAX_ROWS
 _ERRORS = {
     1: (IndexError, "input_ids: a token id is outside the vocabulary"),
     2: (IndexError, "positions: a position is outside the rotary table (max_position_embeddings)"),
@@ -31,8 +33,8 @@ _ERRORS = {
     4: (IndexError, "decode_block_tables/context_lens: a block is outside the KV cache"),
     5: (MemoryError, "native decode: out of memory for the step's scratch buffers"),
 }
-_FIELDS = 13  # per-layer pointer fields, decode_stack.c's LAYER_FIELDS
-_K_CACHE, _V_CACHE = 10, 11
+_FIELDS = 17  # per-layer pointer fields, decode_stack.c's LAYER_FIELDS
+_K_CACHE, _V_CACHE, _SLIDING = 10, 11, 12
 
 
 @dataclass
@@ -87,10 +89,13 @@ class NativeDecodeStack:
         self.dtype, self.hidden, self.num_kv_heads, self.head_dim = dtype, hidden, num_kv_heads, head_dim
         self.num_layers = len(layers)
         self._keep = (layers, embed, final_norm, cos_table, sin_table)  # pointers stay valid
+        packed = _amx_packed(layers) if dtype == torch.bfloat16 else None
+        self._packed = packed  # kept alive: the table holds their pointers
         self._table = torch.tensor(
             [[_ptr(lw.qkv_w), _ptr(lw.qkv_b), _ptr(lw.o_w), _ptr(lw.o_b), _ptr(lw.gate_up_w),
               _ptr(lw.gate_up_b), _ptr(lw.down_w), _ptr(lw.down_b), _ptr(lw.input_norm),
-              _ptr(lw.post_norm), 0, 0, int(lw.sliding)] for lw in layers],
+              _ptr(lw.post_norm), 0, 0, int(lw.sliding)] + [_ptr(t) for t in (packed[i] if packed else [None] * 4)]
+             for i, lw in enumerate(layers)],
             dtype=torch.int64,
         ).view(len(layers), _FIELDS)
         self._dims = torch.tensor(
@@ -108,7 +113,7 @@ class NativeDecodeStack:
         self.governor = ThreadGovernor() if env_switch("KEYSERVE_THREAD_GOVERNOR") else None
         # the most rows a step takes here; more go to the torch path (bench/decode_rows_bench.py
         # measures where each side wins)
-        self.max_rows = ROW_LIMITS[dtype]
+        self.max_rows = AMX_MAX_ROWS if packed else ROW_LIMITS[dtype]
 
     def takes(
         self,
@@ -167,7 +172,7 @@ class NativeDecodeStack:
         if sliding is not None and sliding != self._sliding:
             if len(sliding) != self.num_layers:
                 raise ValueError(f"sliding: {len(sliding)} flags for {self.num_layers} layers")
-            self._table[:, _FIELDS - 1] = torch.tensor(sliding, dtype=torch.int64)
+            self._table[:, _SLIDING] = torch.tensor(sliding, dtype=torch.int64)
             self._sliding = list(sliding)
         m = input_ids.shape[0]
         ids = _as(input_ids, torch.int64)
@@ -203,6 +208,28 @@ class NativeDecodeStack:
             exc, message = _ERRORS.get(rc, (RuntimeError, f"native decode failed ({rc})"))
             raise exc(message)
         return out
+
+
+def _amx_packed(layers: list[LayerWeights]) -> list[list[torch.Tensor]] | None:
+    """Each layer's four bf16 weight matrices packed into AMX tiles (qkv, o, gate_up, down), or
+    None where the step cannot use them: no AMX (CPU, compiler or kernel permission), a matrix
+    whose shape the tiles do not divide (inputs by 32, outputs by 16), or ``KEYSERVE_AMX=0``.
+    A second copy of the layers' weights (SmolLM2: 270 MB)."""
+    lib = require_library()
+    if not env_switch("KEYSERVE_AMX") or not lib.keyserve_amx_available():
+        return None
+    out = []
+    for lw in layers:
+        mats = [lw.qkv_w, lw.o_w, lw.gate_up_w, lw.down_w]
+        if any(w.shape[0] % 16 or w.shape[1] % 32 for w in mats):
+            return None
+        row = []
+        for w in mats:
+            p = torch.empty(w.numel(), dtype=torch.bfloat16)
+            lib.keyserve_amx_pack(w.data_ptr(), w.shape[0], w.shape[1], p.data_ptr())
+            row.append(p)
+        out.append(row)
+    return out
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
