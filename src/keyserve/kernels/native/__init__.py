@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = ("paged_decode.c", "skinny_linear.c", "gemv.c", "decode_stack.c", "elementwise.c", "amx_linear.c")
 HEADERS = ("attend.h", "gemv.h", "vecmath.h", "amx.h")  # included by the sources: part of the cache key
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
 
 def _cache_dir() -> Path:
