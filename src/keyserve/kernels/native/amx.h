@@ -11,8 +11,9 @@
 #endif
 
 #define KS_AMX_MAX_ROWS 64
-/* Fewer rows stay on gemv.h's vector kernels, which stream the weights at the bandwidth there. */
-#define KS_AMX_MIN_ROWS 17
+/* One row stays on gemv.h's vector kernel (at the bandwidth bound there: 12.0 vs 12.5 ms per
+ * SmolLM2 step); from two rows on AMX wins (bench/decode_rows_bench.py: 1.2-1.6x at 2-16 rows). */
+#define KS_AMX_MIN_ROWS 2
 
 /* 1 where this process may use AMX tiles (asks Linux for the tile state once), else 0. */
 int keyserve_amx_available(void);

@@ -15,7 +15,7 @@ import torch
 
 from keyserve.core.thread_governor import ThreadGovernor
 from keyserve.kernels.metadata import AttentionMetadata
-from keyserve.kernels.native import env_switch, require_library
+from keyserve.kernels.native import amx, env_switch, require_library
 from keyserve.kernels.native.gemv import MAX_ROWS, WEIGHT_DTYPES
 
 _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -25,7 +25,7 @@ _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # vector kernels lose to the torch path's oneDNN GEMMs (AMX) from 24 rows (0.91x) on, so bf16
 # goes to 64 rows only where the step runs its own products on AMX tiles (amx_linear.c).
 ROW_LIMITS = {torch.float32: 64, torch.bfloat16: MAX_ROWS}
-AMX_MAX_ROWS = 64  # amx.h's KS_AMX_MAX_ROWS
+AMX_MAX_ROWS = amx.MAX_ROWS
 _ERRORS = {
     1: (IndexError, "input_ids: a token id is outside the vocabulary"),
     2: (IndexError, "positions: a position is outside the rotary table (max_position_embeddings)"),
@@ -211,25 +211,16 @@ class NativeDecodeStack:
 
 
 def _amx_packed(layers: list[LayerWeights]) -> list[list[torch.Tensor]] | None:
-    """Each layer's four bf16 weight matrices packed into AMX tiles (qkv, o, gate_up, down), or
-    None where the step cannot use them: no AMX (CPU, compiler or kernel permission), a matrix
-    whose shape the tiles do not divide (inputs by 32, outputs by 16), or ``KEYSERVE_AMX=0``.
-    A second copy of the layers' weights (SmolLM2: 270 MB)."""
-    lib = require_library()
-    if not env_switch("KEYSERVE_AMX") or not lib.keyserve_amx_available():
+    """Each layer's four bf16 weight matrices in AMX tiles (qkv, o, gate_up, down; amx.py's
+    cache, shared with the model's own products), or None where the step cannot use them: no
+    AMX (CPU, compiler, kernel permission or ``KEYSERVE_AMX=0``), or a matrix the tiles do not
+    divide."""
+    if not amx.available():
         return None
-    out = []
-    for lw in layers:
-        mats = [lw.qkv_w, lw.o_w, lw.gate_up_w, lw.down_w]
-        if any(w.shape[0] % 16 or w.shape[1] % 32 for w in mats):
-            return None
-        row = []
-        for w in mats:
-            p = torch.empty(w.numel(), dtype=torch.bfloat16)
-            lib.keyserve_amx_pack(w.data_ptr(), w.shape[0], w.shape[1], p.data_ptr())
-            row.append(p)
-        out.append(row)
-    return out
+    mats = [[lw.qkv_w, lw.o_w, lw.gate_up_w, lw.down_w] for lw in layers]
+    if not all(amx.packable(w) for row in mats for w in row):
+        return None
+    return [[amx.packed_weight(w) for w in row] for row in mats]
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
