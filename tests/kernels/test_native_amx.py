@@ -40,19 +40,20 @@ def test_amx_linear_against_exact_and_f_linear(m: int, k: int, n: int) -> None:
 
 
 def test_rows_outside_the_tiles_go_elsewhere() -> None:
-    """matmul.linear: one row to the vector kernel, 2-64 to AMX (packing the weight once), 65 to
-    oneDNN; a matrix the tiles do not divide never to AMX."""
+    """matmul.linear: one row to the vector kernel, 2-48 to AMX (packing the weight once), more
+    to oneDNN (faster there, bench/packed_linear_bench.py); a matrix the tiles do not divide
+    never to AMX."""
     w = _bf16(96, 64, seed=1)
     with torch.inference_mode():
         matmul.linear(_bf16(1, 64, seed=2), w)
         assert id(w) not in amx._PACKED
-        for m in (2, 64):
+        for m in (2, amx.LINEAR_MAX_ROWS):
             x = _bf16(m, 64, seed=m)
             torch.testing.assert_close(matmul.linear(x, w), F.linear(x, w), atol=0.05, rtol=2**-7)
         packed = amx._PACKED[id(w)][1]
         matmul.linear(_bf16(30, 64, seed=3), w)
         assert amx._PACKED[id(w)][1] is packed  # packed once
-        assert not amx.supports(_bf16(65, 64, seed=4), w)
+        assert not amx.supports(_bf16(amx.LINEAR_MAX_ROWS + 1, 64, seed=4), w)
         odd = _bf16(40, 48, seed=5)  # 48 inputs: not a multiple of 32
         assert not amx.supports(_bf16(8, 48, seed=6), odd)
         matmul.linear(_bf16(8, 48, seed=6), odd)

@@ -57,10 +57,10 @@ def test_cache_entry_goes_with_its_weight() -> None:
 @pytest.mark.skipif(not matmul.cpu_has_native_bf16(), reason="the CPU has no bf16 dot product: bf16 goes to float32 GEMM")
 def test_engine_linear_packs_beyond_the_native_rows() -> None:
     """``matmul.linear`` sends bf16 products of more rows than the few-row kernels take (the
-    vector kernel's 16, or AMX's 64 where the CPU has it) to the packed weights, and leaves the
+    vector kernel's 16, or AMX's 48 where the CPU has it) to the packed weights, and leaves the
     few-row ones to them."""
     weight = _bf16(96, 64, seed=7)
-    limit = native_amx.MAX_ROWS if native_amx.available() else native_gemv.MAX_ROWS
+    limit = native_amx.LINEAR_MAX_ROWS if native_amx.available() else native_gemv.MAX_ROWS
     few, many = _bf16(limit, 64, seed=8), _bf16(limit + 1, 64, seed=9)
     with torch.inference_mode():
         matmul.linear(few, weight)

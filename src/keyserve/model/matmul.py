@@ -48,9 +48,9 @@ def linear(
     native kernels are built), ``skinny_linear.c`` for column-major float32 ones; bf16 beyond
     that is widened to float32 GEMM where the CPU has no bf16 dot product (see the module
     docstring); bf16 beyond it, where the CPU has bf16 dot products, runs oneDNN on weights
-    packed once (``packed_linear``). Where the CPU has AMX, bf16 products of 2-64 rows go to
+    packed once (``packed_linear``). Where the CPU has AMX, bf16 products of 2-48 rows go to
     AMX tiles on weights packed once (``kernels/native/amx.py``): bound by the weight stream,
-    1.1-2x the others there."""
+    1.05-1.27x oneDNN's packed path there."""
     if native_amx.supports(x, weight, bias):
         return native_amx.amx_linear(x, weight)
     if native_gemv.supports(x, weight, bias):

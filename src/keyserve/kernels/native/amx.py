@@ -1,6 +1,6 @@
 """torch-facing wrapper of the AMX few-row bf16 product (``amx_linear.c``).
 
-bf16 products of 2-64 rows -- decode steps, speculative verification, the LM head over the
+bf16 products of 2-48 rows -- decode steps, speculative verification, the LM head over the
 sampled rows -- are bound by streaming the weights once; the vector kernels (gemv.c) become
 bound by their multiplies past a few rows and oneDNN's prepacked path reads the weights at about
 half the bandwidth here (bench/packed_linear_bench.py). AMX tiles do the multiplies of 16 rows
@@ -22,6 +22,10 @@ import torch
 from keyserve.kernels.native import env_switch, library, require_library
 
 MIN_ROWS, MAX_ROWS = 2, 64  # amx.h's KS_AMX_MIN_ROWS, KS_AMX_MAX_ROWS
+# The most rows a torch-path product takes here (bench/packed_linear_bench.py, 2 threads: 1.2-1.27x
+# oneDNN's prepacked path at 2-32 rows, 1.05x at 48, 0.96x at 64); the one-call decode step,
+# which has no oneDNN, uses the tiles up to MAX_ROWS.
+LINEAR_MAX_ROWS = 48
 
 _PACKED: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
 _local = threading.local()  # per-thread scratch (TP ranks may run as threads)
@@ -60,7 +64,7 @@ def supports(
         and x.dim() == 2
         and x.dtype == torch.bfloat16
         and x.device.type == "cpu"
-        and MIN_ROWS <= x.shape[0] <= MAX_ROWS
+        and MIN_ROWS <= x.shape[0] <= LINEAR_MAX_ROWS
         and packable(weight)
         and not torch.is_grad_enabled()
         and available()
