@@ -1,9 +1,10 @@
 #define _GNU_SOURCE
 /* bf16 products of a few dozen rows on AMX tiles, streaming weights packed once.
  *
- * Why: a busy decode step multiplies 17-64 rows by every weight matrix; at that size the
- * product is bound by reading the weights once (SmolLM2: 270 MB per step), but oneDNN's
- * prepacked bf16 path reads them at ~13 GB/s on this 2-core Xeon, about half the measured
+ * Why: a decode step of a few to 64 rows multiplies them by every weight matrix; at that size
+ * the product should be bound by reading the weights once (SmolLM2: 270 MB per step), but the
+ * vector kernels (gemv.h) are bound by their multiplies past a few rows and oneDNN's prepacked
+ * bf16 path reads the weights at ~13 GB/s on this 2-core Xeon, about half the measured
  * bandwidth. Here each thread streams its own contiguous stretch of pre-tiled weights front to
  * back (the hardware prefetcher sees one sequential stream per core) while AMX does the
  * multiplies: one 16 x 32 weight tile per step against up to four 16-row tiles of x.
@@ -123,8 +124,8 @@ KS_AMX_BLOCKS(4)
 /* acc[(nb - nb0) * 1024 + t * 256 + r * 16 + c] = sum over k of xpad[t * 16 + r, :] . W[nb * 16 + c, :]
  * for column blocks nb0..nb1-1 of nbs, mt 16-row tiles of xpad (bf16 [mt * 16, k]); on a
  * thread whose tiles ks_amx_begin configured. */
-void ks_amx_sums(const uint16_t *xpad, int mt, int64_t k, const uint16_t *packed, int64_t nbs, int64_t nb0,
-                 int64_t nb1, float *acc) {
+static void ks_amx_sums(const uint16_t *xpad, int mt, int64_t k, const uint16_t *packed, int64_t nbs,
+                        int64_t nb0, int64_t nb1, float *acc) {
     const int64_t kbs = k / 32;
     for (int64_t kb0 = 0; kb0 < kbs; kb0 += KS_AMX_CHUNK) {
         const int64_t kl = kbs - kb0 < KS_AMX_CHUNK ? kbs - kb0 : KS_AMX_CHUNK;

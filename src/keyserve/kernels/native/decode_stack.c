@@ -3,7 +3,8 @@
  * Why: at batch 1 the torch path spends about as long in Python and small ops (views,
  * transposes, empties, one kernel launch per op, ~40 per layer) as it needs to stream the
  * weights. Here one OpenMP team runs the whole stack: the threads split every matrix's output
- * rows evenly (gemv.h, row-major weights streamed once), redo the tiny per-row work (RMSNorm)
+ * rows evenly (gemv.h, row-major weights streamed once; bf16 steps of 2-64 rows: whole
+ * 16-column blocks on AMX tiles, amx_linear.c), redo the tiny per-row work (RMSNorm)
  * privately instead of waiting for each other, and meet at a barrier only where the next phase
  * needs the whole previous result (6 per layer).
  *
@@ -37,8 +38,9 @@
 enum { P_QKV_W, P_QKV_B, P_O_W, P_O_B, P_GU_W, P_GU_B, P_DOWN_W, P_DOWN_B, P_IN_NORM, P_POST_NORM,
        P_K_CACHE, P_V_CACHE, P_SLIDING, P_QKV_PK, P_O_PK, P_GU_PK, P_DOWN_PK, LAYER_FIELDS };
 /* P_*_PK: the same bf16 weights packed into AMX tiles (amx_linear.c), or 0. With them a step of
- * KS_AMX_MIN_ROWS rows or more runs its products on AMX: past 16 rows the vector kernels
- * are bound by their multiplies, AMX by the weight stream. */
+ * KS_AMX_MIN_ROWS (2) to KS_AMX_MAX_ROWS (64) rows runs its products on AMX: past a row or two
+ * the vector kernels are bound by their multiplies, AMX by the weight stream
+ * (bench/decode_rows_bench.py). */
 
 /* dims[] */
 enum { D_HIDDEN, D_INTER, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_LAYERS, D_WDTYPE, D_CDTYPE,
