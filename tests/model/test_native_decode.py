@@ -238,3 +238,23 @@ def test_amx_off_switch_keeps_bf16_at_16_rows(monkeypatch: pytest.MonkeyPatch) -
     model = ours_from_hf(tiny_hf("llama", seed=4, intermediate_size=128), dtype=torch.bfloat16)
     assert model._native_decode._packed is None
     assert model._native_decode.max_rows == ROW_LIMITS[torch.bfloat16] == 16
+
+
+@pytest.mark.parametrize("rows", [8, 13, 40, 64])
+def test_f32_rows_on_register_tiles(rows: int, native_calls: list[int]) -> None:
+    """float32 steps of 8-64 rows on an AVX-512 build multiply on f32_block.c's register tiles
+    (weights packed 32 outputs to a block): K/V, hidden states and logits against the torch path
+    within float32 rounding. 13 rows: a partial second 12-row tile."""
+    model = ours_from_hf(tiny_hf("llama", seed=4, intermediate_size=128), dtype=torch.float32)
+    if model._native_decode._packed is None:
+        pytest.skip("no AVX-512 build here: float32 steps keep the row kernel")
+    seqs = [3 + (i * 5) % 23 for i in range(rows)]
+    n = _compare_steps(model, seqs, steps=2, num_blocks=8 * rows)
+    assert native_calls[0] == n == 2
+
+
+def test_f32_blocks_off_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEYSERVE_F32_BLOCKS", "0")
+    model = ours_from_hf(tiny_hf("llama", seed=4, intermediate_size=128), dtype=torch.float32)
+    assert model._native_decode._packed is None
+    assert model._native_decode.max_rows == ROW_LIMITS[torch.float32]

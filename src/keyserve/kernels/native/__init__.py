@@ -26,8 +26,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode.c", "skinny_linear.c", "gemv.c", "decode_stack.c", "elementwise.c", "amx_linear.c")
-HEADERS = ("attend.h", "gemv.h", "vecmath.h", "amx.h")  # included by the sources: part of the cache key
+SOURCES = ("paged_decode.c", "skinny_linear.c", "gemv.c", "decode_stack.c", "elementwise.c", "amx_linear.c", "f32_block.c")
+HEADERS = ("attend.h", "gemv.h", "vecmath.h", "amx.h", "f32_block.h")  # included by the sources: part of the cache key
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
 
@@ -127,6 +127,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.keyserve_amx_pack.argtypes = [p, i64, i64, p]
     lib.keyserve_amx_linear.restype = ctypes.c_int
     lib.keyserve_amx_linear.argtypes = [p, i64, i64, p, i64, p, p, p, i]
+    lib.keyserve_f32_block_available.restype = ctypes.c_int
+    lib.keyserve_f32_block_available.argtypes = []
+    lib.keyserve_f32_pack.restype = None
+    lib.keyserve_f32_pack.argtypes = [p, i64, i64, p]
     lib.keyserve_write_kv.restype = i64
     lib.keyserve_write_kv.argtypes = [p, p, p, p, p, i, i, i, i, i, i, i64]
     lib.keyserve_gemv.restype = None

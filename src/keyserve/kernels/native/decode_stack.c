@@ -31,6 +31,7 @@
 
 #include "amx.h"
 #include "attend.h"
+#include "f32_block.h"
 #include "gemv.h"
 #include "vecmath.h"
 
@@ -40,7 +41,8 @@ enum { P_QKV_W, P_QKV_B, P_O_W, P_O_B, P_GU_W, P_GU_B, P_DOWN_W, P_DOWN_B, P_IN_
 /* P_*_PK: the same bf16 weights packed into AMX tiles (amx_linear.c), or 0. With them a step of
  * KS_AMX_MIN_ROWS (2) to KS_AMX_MAX_ROWS (64) rows runs its products on AMX: past a row or two
  * the vector kernels are bound by their multiplies, AMX by the weight stream
- * (bench/decode_rows_bench.py). */
+ * (bench/decode_rows_bench.py). In float32 they hold the weights packed for f32_block.c's
+ * register tiles, used from KS_F32_BLOCK_MIN_ROWS rows on (AVX-512 builds). */
 
 /* dims[] */
 enum { D_HIDDEN, D_INTER, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_LAYERS, D_WDTYPE, D_CDTYPE,
@@ -123,26 +125,34 @@ static void add_residual(const Dims *c, float *h, const float *y, int m, int o0,
         }
 }
 
-/* Columns [o0, o1) of thread tid of nt, whole 16-column blocks (the AMX tiles' width). */
-static void split_blocks(int n, int tid, int nt, int *o0, int *o1) {
-    const int blocks = n / 16;
-    *o0 = 16 * (int)((int64_t)blocks * tid / nt);
-    *o1 = 16 * (int)((int64_t)blocks * (tid + 1) / nt);
+/* Columns [o0, o1) of thread tid of nt, whole blocks of `width` columns (the packed layouts'). */
+static void split_blocks(int n, int width, int tid, int nt, int *o0, int *o1) {
+    const int blocks = n / width;
+    *o0 = width * (int)((int64_t)blocks * tid / nt);
+    *o1 = width * (int)((int64_t)blocks * (tid + 1) / nt);
 }
+
+/* How a step multiplies: gemv.h's row kernel, AMX tiles (bf16) or float32 register tiles. */
+enum { PRODUCTS_ROWS = 0, PRODUCTS_AMX = 1, PRODUCTS_F32_BLOCKS = 2 };
 
 /* y[:, o0:o1] = x . W[o0:o1, :]^T (float32 sums): on AMX tiles where the layer has its packed
  * copy (field pk) and the step has the rows for it, else gemv.h's row kernel on the plain weights. */
-static void linear_cols(const Dims *c, int amx, const uint64_t *L, int wf, int pk, const float *x, int m,
-                        int ldx, int in, int n, int o0, int o1, float *y, int ldy, uint16_t *xbf,
+static void linear_cols(const Dims *c, int products, const uint64_t *L, int wf, int pk, const float *x, int m,
+                        int ldx, int in, int n, int o0, int o1, float *y, int ldy, void *scratch,
                         float *acc) {
 #ifdef KS_AMX
-    if (amx) {
-        if (o1 > o0) ks_amx_cols(x, m, ldx, in, (const uint16_t *)ptr(L, pk), n, o0, o1, y, ldy, xbf, acc);
+    if (products == PRODUCTS_AMX) {
+        if (o1 > o0) ks_amx_cols(x, m, ldx, in, (const uint16_t *)ptr(L, pk), n, o0, o1, y, ldy, scratch, acc);
         return;
     }
-#else
-    (void)amx; (void)pk; (void)n; (void)xbf; (void)acc;
 #endif
+#ifdef KS_F32_BLOCK
+    if (products == PRODUCTS_F32_BLOCKS) {
+        if (o1 > o0) ks_f32_cols(x, m, ldx, in, (const float *)ptr(L, pk), o0, o1, y, ldy, scratch);
+        return;
+    }
+#endif
+    (void)products; (void)pk; (void)n; (void)scratch; (void)acc;
     ks_gemv_rows(x, m, ldx, in, ptr(L, wf), c->wdt, o0, o1, y, ldy);
 }
 
@@ -211,15 +221,24 @@ int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uin
     for (int64_t k = 0; k < (lens_layer_stride ? (int64_t)c.layers * m : m); k++)
         max_ctx = lens[k] > max_ctx ? lens[k] : max_ctx;
     const int widest = c.hidden > c.inter ? c.hidden : c.inter;
-    int amx = 0;
+    int products = PRODUCTS_ROWS;
 #ifdef KS_AMX
-    amx = m >= KS_AMX_MIN_ROWS && m <= KS_AMX_MAX_ROWS && layers[P_QKV_PK] && keyserve_amx_available();
+    if (c.bf16 && m >= KS_AMX_MIN_ROWS && m <= KS_AMX_MAX_ROWS && layers[P_QKV_PK] && keyserve_amx_available())
+        products = PRODUCTS_AMX;
+#endif
+#ifdef KS_F32_BLOCK
+    if (!c.bf16 && m >= KS_F32_BLOCK_MIN_ROWS && layers[P_QKV_PK]) products = PRODUCTS_F32_BLOCKS;
 #endif
     const int widest_in = widest > c.hq * c.d ? widest : c.hq * c.d;
     const int widest_out = (c.qkv_out > widest ? c.qkv_out : widest);
-    /* AMX scratch, in floats: x as padded bf16 tiles [64, widest_in], the sums of the widest
-     * share of output columns (16-column blocks of 1024 floats) */
-    const size_t amx_scratch = amx ? (size_t)KS_AMX_MAX_ROWS * widest_in / 2 + ((size_t)widest_out / 16 + 1) * 1024 : 0;
+    /* product scratch, in floats -- AMX: x as padded bf16 tiles [64, widest_in] and the sums of
+     * the widest share of output columns (16-column blocks of 1024 floats); float32 tiles: x
+     * padded to whole 12-row tiles */
+    size_t amx_scratch = 0;
+    if (products == PRODUCTS_AMX)
+        amx_scratch = (size_t)64 * widest_in / 2 + ((size_t)widest_out / 16 + 1) * 1024;
+    else if (products == PRODUCTS_F32_BLOCKS)
+        amx_scratch = (size_t)((m + 11) / 12 * 12) * widest_in;
     const size_t shared = (size_t)m * (c.hidden + c.qkv_out + c.hq * c.d + c.hidden + 2 * c.inter + c.inter);
     const size_t private_ = (size_t)m * widest + (size_t)c.hq * max_ctx + c.d + amx_scratch + 16;
     float *mem = malloc(sizeof(float) * (shared + private_ * num_threads));
@@ -240,16 +259,17 @@ int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uin
         float *xn = private_base + private_ * tid;  /* [m, widest] */
         float *logits = xn + (size_t)m * widest;    /* [hq, max_ctx] */
         float *cs = logits + (size_t)c.hq * max_ctx;  /* cos | sin of one position: d floats */
-        /* AMX scratch, 64-byte aligned (tile loads and stores) */
-        uint16_t *xbf = (uint16_t *)(((uintptr_t)(cs + c.d) + 63) & ~(uintptr_t)63);
-        float *acc = (float *)(xbf + (size_t)KS_AMX_MAX_ROWS * widest_in);
+        /* product scratch, 64-byte aligned (tile loads and stores) */
+        void *xbf = (void *)(((uintptr_t)(cs + c.d) + 63) & ~(uintptr_t)63);
+        float *acc = (float *)((uint16_t *)xbf + (size_t)64 * widest_in);
         int q0, q1, o0, o1, f0, f1;
-        if (amx) {
-            split_blocks(c.qkv_out, tid, nt, &q0, &q1);
-            split_blocks(c.hidden, tid, nt, &o0, &o1);
-            split_blocks(c.inter, tid, nt, &f0, &f1);
+        if (products != PRODUCTS_ROWS) {
+            const int width = products == PRODUCTS_AMX ? 16 : 32;
+            split_blocks(c.qkv_out, width, tid, nt, &q0, &q1);
+            split_blocks(c.hidden, width, tid, nt, &o0, &o1);
+            split_blocks(c.inter, width, tid, nt, &f0, &f1);
 #ifdef KS_AMX
-            ks_amx_begin();
+            if (products == PRODUCTS_AMX) ks_amx_begin();
 #endif
         } else {
             ks_split_rows(c.qkv_out, tid, nt, &q0, &q1);
@@ -267,7 +287,7 @@ int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uin
 
             for (int s = 0; s < m; s++)
                 rms_norm(&c, h + (int64_t)s * c.hidden, c.hidden, ptr(L, P_IN_NORM), xn + (int64_t)s * c.hidden);
-            linear_cols(&c, amx, L, P_QKV_W, P_QKV_PK, xn, m, c.hidden, c.hidden, c.qkv_out, q0, q1, qkv, c.qkv_out,
+            linear_cols(&c, products, L, P_QKV_W, P_QKV_PK, xn, m, c.hidden, c.hidden, c.qkv_out, q0, q1, qkv, c.qkv_out,
                         xbf, acc);
             finish_rows(&c, qkv, m, c.qkv_out, q0, q1, ptr(L, P_QKV_B));
 #pragma omp barrier
@@ -304,7 +324,7 @@ int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uin
                 if (c.bf16)
                     for (int i = 0; i < att_heads * c.group * c.d; i++) o[i] = ks_round_bf16(o[i]);
             }
-            linear_cols(&c, amx, L, P_O_W, P_O_PK, attn, m, c.hq * c.d, c.hq * c.d, c.hidden, o0, o1, tmp, c.hidden,
+            linear_cols(&c, products, L, P_O_W, P_O_PK, attn, m, c.hq * c.d, c.hq * c.d, c.hidden, o0, o1, tmp, c.hidden,
                         xbf, acc);
             finish_rows(&c, tmp, m, c.hidden, o0, o1, ptr(L, P_O_B));
             add_residual(&c, h, tmp, m, o0, o1);
@@ -312,9 +332,9 @@ int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uin
             for (int s = 0; s < m; s++)
                 rms_norm(&c, h + (int64_t)s * c.hidden, c.hidden, ptr(L, P_POST_NORM), xn + (int64_t)s * c.hidden);
             const void *gb = ptr(L, P_GU_B);
-            linear_cols(&c, amx, L, P_GU_W, P_GU_PK, xn, m, c.hidden, c.hidden, 2 * c.inter, f0, f1, gu,
+            linear_cols(&c, products, L, P_GU_W, P_GU_PK, xn, m, c.hidden, c.hidden, 2 * c.inter, f0, f1, gu,
                         2 * c.inter, xbf, acc);
-            linear_cols(&c, amx, L, P_GU_W, P_GU_PK, xn, m, c.hidden, c.hidden, 2 * c.inter, c.inter + f0,
+            linear_cols(&c, products, L, P_GU_W, P_GU_PK, xn, m, c.hidden, c.hidden, 2 * c.inter, c.inter + f0,
                         c.inter + f1, gu, 2 * c.inter, xbf, acc);
             finish_rows(&c, gu, m, 2 * c.inter, f0, f1, gb);
             finish_rows(&c, gu, m, 2 * c.inter, c.inter + f0, c.inter + f1, gb);
@@ -325,14 +345,14 @@ int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uin
                     act[(int64_t)s * c.inter + f] = act_round(&c, act_round(&c, g / (1.0f + expf(-g))) * u);
                 }
 #pragma omp barrier
-            linear_cols(&c, amx, L, P_DOWN_W, P_DOWN_PK, act, m, c.inter, c.inter, c.hidden, o0, o1, tmp, c.hidden,
+            linear_cols(&c, products, L, P_DOWN_W, P_DOWN_PK, act, m, c.inter, c.inter, c.hidden, o0, o1, tmp, c.hidden,
                         xbf, acc);
             finish_rows(&c, tmp, m, c.hidden, o0, o1, ptr(L, P_DOWN_B));
             add_residual(&c, h, tmp, m, o0, o1);
 #pragma omp barrier
         }
 #ifdef KS_AMX
-        if (amx) ks_amx_end();
+        if (products == PRODUCTS_AMX) ks_amx_end();
 #endif
         for (int s = tid; s < m; s += nt) {
             float *y = xn;

@@ -89,7 +89,7 @@ class NativeDecodeStack:
         self.dtype, self.hidden, self.num_kv_heads, self.head_dim = dtype, hidden, num_kv_heads, head_dim
         self.num_layers = len(layers)
         self._keep = (layers, embed, final_norm, cos_table, sin_table)  # pointers stay valid
-        packed = _amx_packed(layers) if dtype == torch.bfloat16 else None
+        packed = _amx_packed(layers) if dtype == torch.bfloat16 else _f32_packed(layers, hidden, inter)
         self._packed = packed  # kept alive: the table holds their pointers
         self._table = torch.tensor(
             [[_ptr(lw.qkv_w), _ptr(lw.qkv_b), _ptr(lw.o_w), _ptr(lw.o_b), _ptr(lw.gate_up_w),
@@ -113,7 +113,7 @@ class NativeDecodeStack:
         self.governor = ThreadGovernor() if env_switch("KEYSERVE_THREAD_GOVERNOR") else None
         # the most rows a step takes here; more go to the torch path (bench/decode_rows_bench.py
         # measures where each side wins)
-        self.max_rows = AMX_MAX_ROWS if packed else ROW_LIMITS[dtype]
+        self.max_rows = AMX_MAX_ROWS if packed and dtype == torch.bfloat16 else ROW_LIMITS[dtype]
 
     def takes(
         self,
@@ -221,6 +221,27 @@ def _amx_packed(layers: list[LayerWeights]) -> list[list[torch.Tensor]] | None:
     if not all(amx.packable(w) for row in mats for w in row):
         return None
     return [[amx.packed_weight(w) for w in row] for row in mats]
+
+
+def _f32_packed(layers: list[LayerWeights], hidden: int, inter: int) -> list[list[torch.Tensor]] | None:
+    """Each layer's four float32 weight matrices packed for f32_block.c's register tiles (32
+    outputs per block, input-major), or None where the step cannot use them: no AVX-512 build,
+    outputs the 32-column blocks do not divide, or ``KEYSERVE_F32_BLOCKS=0``. A second copy of
+    the layers' float32 weights (SmolLM2: 430 MB)."""
+    lib = require_library()
+    if not env_switch("KEYSERVE_F32_BLOCKS") or not lib.keyserve_f32_block_available():
+        return None
+    if hidden % 32 or inter % 32 or any(lw.qkv_w.shape[0] % 32 for lw in layers):
+        return None
+    out = []
+    for lw in layers:
+        row = []
+        for w in (lw.qkv_w, lw.o_w, lw.gate_up_w, lw.down_w):
+            p = torch.empty(w.numel(), dtype=torch.float32)
+            lib.keyserve_f32_pack(w.data_ptr(), w.shape[0], w.shape[1], p.data_ptr())
+            row.append(p)
+        out.append(row)
+    return out
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

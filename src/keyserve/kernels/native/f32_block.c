@@ -1,0 +1,87 @@
+/* float32 products of a few dozen rows as register-blocked outer products, on weights packed
+ * once.
+ *
+ * Why: a float32 decode step of 17-64 rows multiplies them by every weight matrix; there the
+ * product is bound by its multiplies (no AMX for float32), and gemv.h's row kernel -- a dot
+ * product per (x row, weight row), with a horizontal sum at the end of each -- reached about
+ * 160 GFLOP/s on this 2-core Xeon against 372 for MKL's GEMM. Here the weights of 32 outputs
+ * are packed input-major, so one step over the inputs loads two weight vectors and broadcasts
+ * one x value per row into 12 rows x 32 outputs of accumulators (24 registers, 24 FMAs per 14
+ * loads): the FMA units are the limit, as in a GEMM micro-kernel.
+ *
+ * Layout (keyserve_f32_pack): W [n, k] float32 -> packed[(nb * k + i) * 32 + c] = W[nb * 32 + c][i].
+ * Sums run over the inputs in order in one float32 accumulator per output, so results agree
+ * with F.linear to float32 rounding, not bit for bit.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "f32_block.h"
+
+/* W [n, k] float32 -> 32-output blocks, input-major (layout above); n % 32 == 0. */
+void keyserve_f32_pack(const float *w, int64_t n, int64_t k, float *packed) {
+    for (int64_t nb = 0; nb < n / KS_F32_BLOCK_COLS; nb++)
+        for (int64_t i = 0; i < k; i++)
+            for (int c = 0; c < KS_F32_BLOCK_COLS; c++)
+                packed[(nb * k + i) * KS_F32_BLOCK_COLS + c] = w[(nb * KS_F32_BLOCK_COLS + c) * k + i];
+}
+
+#ifdef KS_F32_BLOCK
+#include <immintrin.h>
+
+/* The 32 outputs of one packed block for MR rows of xp (k floats each, ldx apart), into out
+ * [MR, 32]. MR constant (4, 8 or 12: the last tile of a step takes the smallest that holds its
+ * rows), so the 2 x MR accumulators stay in registers. */
+#define KS_F32_TILE(MR)                                                                            \
+    static void ks_f32_tile##MR(const float *xp, int64_t ldx, int64_t k, const float *b, float *out) { \
+        __m512 acc[MR][2];                                                                         \
+        for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                  \
+        for (int64_t i = 0; i < k; i++, b += KS_F32_BLOCK_COLS) {                                  \
+            const __m512 w0 = _mm512_loadu_ps(b), w1 = _mm512_loadu_ps(b + 16);                    \
+            _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {                                \
+                const __m512 xv = _mm512_set1_ps(xp[r * ldx + i]);                                 \
+                acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);                                    \
+                acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);                                    \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < MR; r++) {                                                             \
+            _mm512_storeu_ps(out + r * KS_F32_BLOCK_COLS, acc[r][0]);                              \
+            _mm512_storeu_ps(out + r * KS_F32_BLOCK_COLS + 16, acc[r][1]);                         \
+        }                                                                                          \
+    }
+KS_F32_TILE(4)
+KS_F32_TILE(8)
+KS_F32_TILE(12)
+
+void ks_f32_cols(const float *x, int m, int ldx, int64_t k, const float *packed, int64_t c0, int64_t c1,
+                 float *y, int ldy, float *xpad) {
+    const int rb = (m + KS_F32_BLOCK_ROWS - 1) / KS_F32_BLOCK_ROWS;
+    for (int r = 0; r < m; r++) memcpy(xpad + (int64_t)r * k, x + (int64_t)r * ldx, sizeof(float) * (size_t)k);
+    memset(xpad + (int64_t)m * k, 0, sizeof(float) * (size_t)((rb * KS_F32_BLOCK_ROWS - m) * k));
+    float tile[KS_F32_BLOCK_ROWS * KS_F32_BLOCK_COLS];
+    for (int64_t nb = c0 / KS_F32_BLOCK_COLS; nb < c1 / KS_F32_BLOCK_COLS; nb++) {
+        const float *b = packed + nb * k * KS_F32_BLOCK_COLS;
+        for (int r0 = 0; r0 < m; r0 += KS_F32_BLOCK_ROWS) {
+            const int rows = m - r0 < KS_F32_BLOCK_ROWS ? m - r0 : KS_F32_BLOCK_ROWS;
+            const float *xp = xpad + (int64_t)r0 * k;
+            if (rows <= 4)
+                ks_f32_tile4(xp, k, k, b, tile);
+            else if (rows <= 8)
+                ks_f32_tile8(xp, k, k, b, tile);
+            else
+                ks_f32_tile12(xp, k, k, b, tile);
+            for (int r = 0; r < rows; r++)
+                memcpy(y + (int64_t)(r0 + r) * ldy + nb * KS_F32_BLOCK_COLS, tile + r * KS_F32_BLOCK_COLS,
+                       sizeof(float) * KS_F32_BLOCK_COLS);
+        }
+    }
+}
+#endif
+
+int keyserve_f32_block_available(void) {
+#ifdef KS_F32_BLOCK
+    return 1;
+#else
+    return 0;
+#endif
+}
