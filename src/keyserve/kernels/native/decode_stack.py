@@ -3,7 +3,9 @@
 The model gathers its weight pointers once (``NativeDecodeStack(...)`` after loading); each
 decode-only step is then one ``ctypes`` call that runs every layer -- no Python, no tensor
 construction per layer. Steps it does not take (prefill or mixed rows, KV-budget scores,
-more rows than ``ROW_LIMITS`` allows, autograd) stay on the model's torch path.
+more rows than ``max_rows`` allows, autograd) stay on the model's torch path. Where the build
+has them, the layers' weights are also packed for the step's products of several rows: AMX
+tiles for bf16 (``amx.py``, from 2 rows), float32 register tiles (``f32_block.c``, from 8).
 """
 
 from __future__ import annotations
