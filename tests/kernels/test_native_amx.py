@@ -50,9 +50,9 @@ def test_rows_outside_the_tiles_go_elsewhere() -> None:
         for m in (2, amx.LINEAR_MAX_ROWS):
             x = _bf16(m, 64, seed=m)
             torch.testing.assert_close(matmul.linear(x, w), F.linear(x, w), atol=0.05, rtol=2**-7)
-        packed = amx._PACKED[id(w)][1]
+        packed = amx._PACKED[id(w)]
         matmul.linear(_bf16(30, 64, seed=3), w)
-        assert amx._PACKED[id(w)][1] is packed  # packed once
+        assert amx._PACKED[id(w)] is packed  # packed once
         assert not amx.supports(_bf16(amx.LINEAR_MAX_ROWS + 1, 64, seed=4), w)
         odd = _bf16(40, 48, seed=5)  # 48 inputs: not a multiple of 32
         assert not amx.supports(_bf16(8, 48, seed=6), odd)

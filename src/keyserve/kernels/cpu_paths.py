@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from keyserve.kernels import noise
 from keyserve.kernels.native import decode as native_decode
+from keyserve.kernels.workspace import scratch
 
 GROUP_BYTES = 8 << 20  # gathered K+V per decode group: well inside a 32 MiB L3
 
@@ -32,20 +33,8 @@ _local = threading.local()
 
 
 def _buffer(name: str, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """A reusable scratch tensor of ``shape`` (grown, never shrunk)."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    workspace: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor]
-    workspace = _local.__dict__.setdefault("buffers", {})
-    # Tensors made under inference_mode cannot be written outside it (and vice versa for
-    # autograd tracking), so buffers are kept per mode.
-    key = (name, like.dtype, like.device, torch.is_inference_mode_enabled())
-    buf = workspace.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=like.dtype, device=like.device)
-        workspace[key] = buf
-    return buf[:numel].view(shape)
+    """A reusable scratch tensor of ``shape`` in ``like``'s dtype and device."""
+    return scratch(name, shape, like.dtype, like.device)
 
 
 def _gather(

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
 
 import torch
 
-_PACKED: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+from keyserve.kernels.weight_cache import PerWeight
+
 # Batch-size hint for the reorder: oneDNN picks the blocked layout for this many rows; the
 # packed weight serves any row count.
 _PACK_ROWS_HINT = 64
@@ -57,26 +57,14 @@ def supports(
     )
 
 
-def _forget(key: int) -> None:
-    _PACKED.pop(key, None)
-
-
-def _version(weight: torch.Tensor) -> int:
-    """The in-place write counter (inference tensors have none: they cannot be written to
-    outside inference mode, and the engine does not write its weights)."""
-    return -1 if weight.is_inference() else weight._version
+# the oneDNN-blocked copy of each weight, made once per weight (and again if it is written in place)
+_PACKED = PerWeight(lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), _PACK_ROWS_HINT))
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:  # weight [out, in] bf16
     """The oneDNN-blocked copy of ``weight``, made once per weight (and again if it is
     written in place)."""
-    key = id(weight)
-    entry = _PACKED.get(key)
-    if entry is not None and entry[0]() is weight and entry[1] == _version(weight):
-        return entry[2]
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_ROWS_HINT)
-    _PACKED[key] = (weakref.ref(weight, lambda _ref, k=key: _forget(k)), _version(weight), packed)
-    return packed
+    return _PACKED(weight)
 
 
 def packed_linear(

@@ -14,21 +14,18 @@ one-call decode step (decode_stack.py) packs its layers through the same cache.
 from __future__ import annotations
 
 import functools
-import threading
-import weakref
 
 import torch
 
 from keyserve.kernels.native import env_switch, library, require_library
+from keyserve.kernels.weight_cache import PerWeight
+from keyserve.kernels.workspace import scratch
 
 MIN_ROWS, MAX_ROWS = 2, 64  # amx.h's KS_AMX_MIN_ROWS, KS_AMX_MAX_ROWS
 # The most rows a torch-path product takes here (bench/packed_linear_bench.py, 2 threads: 1.2-1.27x
 # oneDNN's prepacked path at 2-32 rows, 1.05x at 48, 0.96x at 64); the one-call decode step,
 # which has no oneDNN, uses the tiles up to MAX_ROWS.
 LINEAR_MAX_ROWS = 48
-
-_PACKED: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
-_local = threading.local()  # per-thread scratch (TP ranks may run as threads)
 
 
 @functools.cache
@@ -71,34 +68,23 @@ def supports(
     )
 
 
-def _forget(key: int) -> None:
-    _PACKED.pop(key, None)
-
-
-def packed_weight(weight: torch.Tensor) -> torch.Tensor:  # weight [out, in] bf16 -> [out * in] bf16
-    """``weight`` in AMX tiles (amx_linear.c's layout), packed once per weight. The engine never
-    writes its weights in place; a caller that does must drop the model (and with it this copy)."""
-    key = id(weight)
-    entry = _PACKED.get(key)
-    if entry is not None and entry[0]() is weight:
-        return entry[1]
+def _pack(weight: torch.Tensor) -> torch.Tensor:  # [out, in] bf16 -> [out * in] bf16
     if not packable(weight):
         raise ValueError(f"AMX packing needs a bf16 CPU [out % 16, in % 32] matrix, got {tuple(weight.shape)} "
                          f"{weight.dtype}")
     w = weight.detach().contiguous()
     packed = torch.empty(w.numel(), dtype=torch.bfloat16)
     require_library().keyserve_amx_pack(w.data_ptr(), w.shape[0], w.shape[1], packed.data_ptr())
-    _PACKED[key] = (weakref.ref(weight, lambda _ref, k=key: _forget(k)), packed)
     return packed
 
 
-def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    buffers = _local.__dict__.setdefault("buffers", {})
-    buf = buffers.get(name)
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype)
-        buffers[name] = buf
-    return buf
+# ``weight`` in AMX tiles (amx_linear.c's layout), packed once per weight
+_PACKED = PerWeight(_pack)
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:  # weight [out, in] bf16 -> [out * in] bf16
+    """``weight`` in AMX tiles, packed at its first use and kept while it lives."""
+    return _PACKED(weight)
 
 
 def amx_linear(
@@ -114,8 +100,8 @@ def amx_linear(
     packed = packed_weight(weight)
     x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.bfloat16)
-    xpad = _scratch("xpad", MAX_ROWS * k, torch.bfloat16)
-    acc = _scratch("acc", n * MAX_ROWS, torch.float32)
+    xpad = scratch("amx_xpad", (MAX_ROWS * k,), torch.bfloat16)
+    acc = scratch("amx_acc", (n * MAX_ROWS,), torch.float32)
     rc = require_library().keyserve_amx_linear(
         x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(), xpad.data_ptr(), acc.data_ptr(),
         torch.get_num_threads(),
