@@ -12,7 +12,8 @@ the budget's clock only then (model loading excluded), then reads progress lines
 ``{"tokens", "requests", "elapsed"}`` until the child finishes or the budget runs out.
 
     python bench/peers/hf_many.py SPEC.json     # the child; SPEC: model, dtype, threads, mode,
-                                                # batch, requests [[prompt ids, max tokens], ...]
+                                                # batch, requests [[prompt ids, max tokens], ...],
+                                                # device ("cpu" unless given)
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ def child(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    device = spec.get("device", "cpu")
     model = AutoModelForCausalLM.from_pretrained(
-        spec["model"], dtype=getattr(torch, spec["dtype"]), attn_implementation="sdpa").eval()
+        spec["model"], dtype=getattr(torch, spec["dtype"]), attn_implementation="sdpa").to(device).eval()
     reqs = [(list(p), int(n)) for p, n in spec["requests"]]
     pad = 0
     # warm-up, the same for both modes: one short generate
     with torch.no_grad():
-        model.generate(torch.tensor([reqs[0][0][:16]]), max_new_tokens=4, do_sample=False, pad_token_id=pad)
+        model.generate(torch.tensor([reqs[0][0][:16]], device=device), max_new_tokens=4, do_sample=False,
+                       pad_token_id=pad)
     if spec["mode"] == "padded":
         _emit(loaded=True)
         _padded(model, reqs, spec["batch"], pad)
@@ -65,6 +68,7 @@ def _padded(model, reqs: list[tuple[list[int], int]], batch: int, pad: int) -> N
             ids[j, width - len(p):] = torch.tensor(p)
             mask[j, width - len(p):] = 1
         n = max(m for _, m in chunk)
+        ids, mask = ids.to(model.device), mask.to(model.device)
         with torch.no_grad():
             model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                            pad_token_id=pad)

@@ -46,6 +46,9 @@ class ModelConfig(_Strict):
         "float32", description="Weights and KV-cache dtype (float16 only on CUDA)."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
+    enforce_eager: bool = Field(
+        False, description="On CUDA, run decode steps eagerly instead of replaying CUDA graphs."
+    )
     max_model_len: int | None = Field(
         None, ge=2, description="Context length limit; defaults to the model's own."
     )

@@ -103,3 +103,45 @@ def test_speculative_greedy_equals_target_alone(stories_path: str, draft_dir: st
     for a, b in zip(outs, gpu.generate(PROMPTS, params)):
         assert a.token_ids == b.token_ids
     assert spec.engine.speculative.stats.num_draft_tokens > 0
+
+
+# ------------------------------------------------------------------ CUDA graphs of decode steps
+@pytest.fixture(scope="module")
+def eager(stories_path: str) -> LLM:
+    return LLM(stories_path, device="cuda", num_blocks=512, block_size=16, enforce_eager=True)
+
+
+def test_decode_steps_replay_cuda_graphs(gpu: LLM) -> None:
+    """Decode steps of the default engine run as recorded graphs (none fell back to eager)."""
+    from keyserve.engine.cuda_graphs import BUCKETS
+
+    gpu.generate(PROMPTS, _greedy(max_tokens=8))
+    graphs = gpu.engine.runner.graphs
+    assert graphs is not None and not graphs.eager
+    assert 8 in graphs.graphs  # six sequences decoding together: the 8-row bucket
+    assert set(graphs.graphs) <= set(BUCKETS)
+
+
+def test_cuda_graphs_equal_eager(gpu: LLM, eager: LLM) -> None:
+    """Replayed graphs (padded buckets, static buffers) give the eager steps' tokens and
+    logprobs: greedy, seeded sampling, and batches that shrink as requests finish."""
+    assert eager.engine.runner.graphs is None
+    lengths = [5, 40, 17, 33, 8, 40]
+    greedy = [_greedy(max_tokens=n) for n in lengths]
+    for a, b in zip(gpu.generate(PROMPTS, greedy), eager.generate(PROMPTS, greedy)):
+        _same(a, b)
+    sampled = [SamplingParams(max_tokens=n, temperature=0.9, top_p=0.95, seed=i, ignore_eos=True)
+               for i, n in enumerate(lengths)]
+    for a, b in zip(gpu.generate(PROMPTS, sampled), eager.generate(PROMPTS, sampled)):
+        assert a.token_ids == b.token_ids
+
+
+def test_speculative_verification_replays_graphs(stories_path: str, draft_dir: str, eager: LLM) -> None:
+    """Verification steps (K + 1 decode rows per sequence) go through the graphs too and keep
+    speculative greedy equal to the target alone."""
+    spec = LLM(stories_path, device="cuda", num_blocks=512, block_size=16, draft=draft_dir,
+               num_speculative_tokens=3)
+    params = _greedy(max_tokens=24)
+    for a, b in zip(spec.generate(PROMPTS[:3], params), eager.generate(PROMPTS[:3], params)):
+        assert a.token_ids == b.token_ids
+    assert 12 <= max(spec.engine.runner.graphs.graphs)  # 3 sequences x 4 rows

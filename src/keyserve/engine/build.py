@@ -30,6 +30,7 @@ from keyserve.config import CacheConfig, EngineConfig, SpeculativeConfig
 from keyserve.config import ModelConfig as ModelOptions
 from keyserve.core.block_manager import BlockManager
 from keyserve.core.scheduler import SchedulerConfig
+from keyserve.engine.cuda_graphs import DecodeGraphs
 from keyserve.engine.drafter import DraftBudget, Drafter, draft_budget
 from keyserve.engine.kv_budget import BudgetDefaults
 from keyserve.engine.kv_core import KVCore
@@ -43,6 +44,8 @@ from keyserve.model.llama import LlamaForCausalLM
 from keyserve.model.loader import LoadedModel, load_model, resolve_model_dir
 from keyserve.model.parallel import VocabParallelHead, dist_all_reduce
 from keyserve.model.weights import iter_safetensors
+
+GRAPH_ROWS = 256  # decode rows a step may have and still replay a CUDA graph (engine/cuda_graphs.py)
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -131,10 +134,14 @@ def build_runner(
     device: torch.device,
     rank: int = 0,
     world_size: int = 1,
+    graph_rows: int = 0,
+    max_model_len: int | None = None,
 ) -> ModelRunner:
     """A runner over ``model`` (this rank's shard) with a zeroed KV pool of this rank's
     kv-heads. With ``world_size > 1`` the LM head is vocab-parallel (rank 0 gathers the logits
-    and samples) and an untied head keeps only this rank's rows."""
+    and samples) and an untied head keeps only this rank's rows. ``graph_rows`` > 0 on CUDA
+    (one rank): decode steps of up to that many rows replay CUDA graphs (engine/cuda_graphs.py),
+    whose block tables hold ``max_model_len`` tokens."""
     arch = model.config
     kv = allocate_kv_cache(arch, num_blocks, block_size, dtype, device, rank, world_size)
     head = None
@@ -143,11 +150,16 @@ def build_runner(
         if not arch.tie_word_embeddings:
             model.lm_head_weight = torch.nn.Parameter(head.weight.clone(), requires_grad=False)
             head.weight = model.lm_head_weight
-    return ModelRunner(
+    runner = ModelRunner(
         model, kv, block_size, arch.sliding_window, device,
         num_layers=arch.num_hidden_layers, num_kv_heads=kv[0][0].shape[2],
         logits_fn=head, is_driver=rank == 0,
     )
+    if graph_rows > 0 and device.type == "cuda" and world_size == 1:
+        context = max_model_len or arch.max_position_embeddings
+        runner.graphs = DecodeGraphs(model, runner.logits_fn, kv, -(-context // block_size), graph_rows,
+                                     device, arch.sliding_window)
+    return runner
 
 
 def load_target_meta(model: str | None) -> tuple[Path, ModelConfig, Any]:
@@ -255,7 +267,8 @@ def build_local_parts(config: EngineConfig, loaded: LoadedModel | None = None) -
     block_size = config.cache.block_size
     num_blocks = kv_pool_blocks(config.cache, arch, dtype)
     budget = budget_defaults(config)
-    runner = build_runner(loaded.model, num_blocks, block_size, dtype, device)
+    runner = build_runner(loaded.model, num_blocks, block_size, dtype, device,
+                          graph_rows=0 if config.model.enforce_eager else GRAPH_ROWS, max_model_len=max_model_len)
     speculative = None
     if config.spec.draft is not None:
         drafter, draft_bytes = build_drafter(

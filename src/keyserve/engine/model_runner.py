@@ -23,6 +23,7 @@ import torch
 from keyserve.core.block_manager import BlockCopy
 from keyserve.core.sampler import SamplingTensors, make_generator, sample
 from keyserve.core.spec_decode import verify_drafts
+from keyserve.engine.cuda_graphs import DecodeGraphs
 from keyserve.engine.kv_budget.compaction import apply_compact, apply_settle
 from keyserve.engine.kv_budget.replicas import sum_over_replicas
 from keyserve.engine.kv_budget.slots import AttentionRows, ScoreRows, SlotPlanner
@@ -94,6 +95,7 @@ class ModelRunner:
         self.is_driver = is_driver  # tensor-parallel rank 0: the one that samples
         self.seq_infos: dict[int, SeqInfo] = {}
         self.generators: dict[int, torch.Generator | None] = {}
+        self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps (build_runner sets them)
 
     # -------------------------------------------------------------- state ops
     def apply_ops(self, ops: list[RunnerOp]) -> dict[int, tuple[int, int]]:
@@ -237,6 +239,11 @@ class ModelRunner:
         """Run the model; float32 logits of the given token rows, [len(rows), vocab] (None on a
         shard that is not the driver: the vocab-parallel LM head gathers onto rank 0, or when
         no row is asked for), and the attention scores the KV budgets asked for."""
+        graphs = self.graphs
+        if rows and graphs is not None and graphs.takes(inputs.input_ids, inputs.meta):
+            logits = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # [n, vocab]
+            if logits is not None:
+                return logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=logits.device)), None
         hidden, scores = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not rows:
             return None, scores
