@@ -66,3 +66,30 @@ def test_seeded_sampling_and_scored_steps(pair: tuple[LLM, LLM]) -> None:
     h2o = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, kv_policy="h2o", kv_budget=16)
     for a, b in zip(plain.generate(PROMPTS[:3], h2o), buffered.generate(PROMPTS[:3], h2o)):
         assert a.token_ids == b.token_ids
+
+
+def test_draft_and_verification_steps_through_the_buffers(stories_path: str, draft_dir: str,
+                                                          pair: tuple[LLM, LLM]) -> None:
+    """Speculative decoding with both the draft's K forwards and the target's verification rows
+    going through graph buffers: still the target's greedy tokens."""
+    plain, _ = pair
+    spec = LLM(stories_path, device="cpu", num_blocks=512, block_size=16, draft=draft_dir, num_speculative_tokens=3)
+    runners = (spec.engine.runner, spec.engine.speculative.drafter.runner)
+    for r in runners:
+        r.graphs = Rerun(r.model, r.logits_fn, r.kv_caches, 32, 256, torch.device("cpu"), None)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for a, b in zip(plain.generate(PROMPTS[:3], params), spec.generate(PROMPTS[:3], params)):
+        assert a.token_ids == b.token_ids
+    assert spec.engine.speculative.stats.num_draft_tokens > 0
+    for r in runners:
+        assert r.graphs.graphs and not r.graphs.eager
+
+
+def test_enforce_eager_and_cpu_build_no_graphs(stories_path: str) -> None:
+    from keyserve.config import EngineConfig
+    from keyserve.engine import build
+
+    assert build.graph_rows(EngineConfig.from_flat(enforce_eager=True)) == 0
+    assert build.graph_rows(EngineConfig.from_flat()) == build.GRAPH_ROWS
+    llm = LLM(stories_path, device="cpu", num_blocks=64, block_size=16)
+    assert llm.engine.runner.graphs is None  # graphs are CUDA's only

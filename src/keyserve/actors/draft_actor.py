@@ -38,6 +38,8 @@ class DraftActorArgs:
     block_size: int
     seed: int
     budget: DraftBudget = field(default_factory=DraftBudget)  # the draft's own KV budget
+    graph_rows: int = 0  # CUDA graphs of its decode steps (build.build_drafter)
+    max_model_len: int | None = None
 
 
 @dataclass
@@ -75,7 +77,8 @@ class DraftActor:
         dtype = build.resolve_dtype(args.dtype, device.type)
         target = build.draft_target(args.target_dir, dtype, device)
         self.worker, self.weight_bytes = build.build_drafter(
-            args.draft, args.budget, target, args.num_blocks, args.block_size, dtype, device
+            args.draft, args.budget, target, args.num_blocks, args.block_size, dtype, device,
+            graph_rows=args.graph_rows, max_model_len=args.max_model_len,
         )
         self.targets: dict[int, Sequence] = {}
         self.incarnation = new_incarnation()

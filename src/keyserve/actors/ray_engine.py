@@ -83,15 +83,18 @@ class RayEngine(LLMEngine):
         block_size = config.cache.block_size
         num_blocks = build.kv_pool_blocks(config.cache, arch, dtype, par.tensor_parallel_size)
         budget = build.budget_defaults(config)
+        rows = build.graph_rows(config)
         worker = ShardArgs(str(model_dir), config.model.dtype, config.model.device, num_blocks, block_size,
-                            par.backend, par.collective_timeout_s, config.seed, par.worker_threads)
+                            par.backend, par.collective_timeout_s, config.seed, par.worker_threads,
+                            graph_rows=rows, max_model_len=max_model_len)
         self.group = TargetGroup(worker, par, arch)
         speculative = None
         if config.spec.draft is not None:
             gpus = par.draft_num_gpus if par.draft_num_gpus is not None else worker_gpus(par, config.model.device)
             self.drafter_client = RemoteDrafter(
                 DraftActorArgs(config.spec.draft, str(model_dir), config.model.dtype, config.model.device,
-                               num_blocks, block_size, config.seed, draft_budget(config.spec)),
+                               num_blocks, block_size, config.seed, draft_budget(config.spec),
+                               graph_rows=rows, max_model_len=max_model_len),
                 par, gpus,
             )
             cost = build.draft_cost_ratio(config.spec, self.drafter_client.weight_bytes, self.group.weight_bytes)

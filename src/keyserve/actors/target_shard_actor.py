@@ -37,6 +37,8 @@ class ShardArgs:
     timeout_s: float
     seed: int
     threads: int | None = None
+    graph_rows: int = 0  # CUDA graphs of decode steps (one rank only: build.build_runner)
+    max_model_len: int | None = None
 
 
 def check_tp_fits(config: ModelConfig, tp: int, name: str = "the model") -> None:
@@ -87,7 +89,8 @@ class TargetShardActor:
                 timeout=timedelta(seconds=args.timeout_s),
             )
         model = build.load_target(args.model_dir, dtype, device, rank, size)
-        self.runner = build.build_runner(model, args.num_blocks, args.block_size, dtype, device, rank, size)
+        self.runner = build.build_runner(model, args.num_blocks, args.block_size, dtype, device, rank, size,
+                                         graph_rows=args.graph_rows, max_model_len=args.max_model_len)
         return build.weight_bytes(self.runner.model)
 
     def execute(

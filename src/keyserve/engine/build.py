@@ -47,6 +47,11 @@ from keyserve.model.weights import iter_safetensors
 
 GRAPH_ROWS = 256  # decode rows a step may have and still replay a CUDA graph (engine/cuda_graphs.py)
 
+
+def graph_rows(config: EngineConfig) -> int:
+    """Decode rows a step may have and replay a CUDA graph (0: none; only CUDA uses it)."""
+    return 0 if config.model.enforce_eager else GRAPH_ROWS
+
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -197,14 +202,18 @@ def build_drafter(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    graph_rows: int = 0,
+    max_model_len: int | None = None,
 ) -> tuple[Drafter, int]:
     """The draft model with its own KV pool (as many token slots as the target's) and block
-    manager; returns the drafter and the draft's weight bytes."""
+    manager; returns the drafter and the draft's weight bytes. ``graph_rows``/``max_model_len``:
+    CUDA graphs of its decode steps, as ``build_runner``'s (its K forwards are decode steps)."""
     loaded = load_draft(draft, target, dtype=dtype, device=device)
     vocab = target.config.vocab_size
     if loaded.config.vocab_size != vocab:
         raise ValueError(f"draft vocabulary ({loaded.config.vocab_size}) differs from the target's ({vocab})")
-    runner = build_runner(loaded.model, num_blocks, block_size, dtype, device)
+    runner = build_runner(loaded.model, num_blocks, block_size, dtype, device, graph_rows=graph_rows,
+                          max_model_len=max_model_len)
     worker = Drafter(runner, BlockManager(num_blocks, block_size, True), vocab, budget)
     return worker, weight_bytes(loaded.model)
 
@@ -267,12 +276,14 @@ def build_local_parts(config: EngineConfig, loaded: LoadedModel | None = None) -
     block_size = config.cache.block_size
     num_blocks = kv_pool_blocks(config.cache, arch, dtype)
     budget = budget_defaults(config)
-    runner = build_runner(loaded.model, num_blocks, block_size, dtype, device,
-                          graph_rows=0 if config.model.enforce_eager else GRAPH_ROWS, max_model_len=max_model_len)
+    rows = graph_rows(config)
+    runner = build_runner(loaded.model, num_blocks, block_size, dtype, device, graph_rows=rows,
+                          max_model_len=max_model_len)
     speculative = None
     if config.spec.draft is not None:
         drafter, draft_bytes = build_drafter(
-            config.spec.draft, draft_budget(config.spec), loaded, num_blocks, block_size, dtype, device
+            config.spec.draft, draft_budget(config.spec), loaded, num_blocks, block_size, dtype, device,
+            graph_rows=rows, max_model_len=max_model_len,
         )
         cost = draft_cost_ratio(config.spec, draft_bytes, weight_bytes(loaded.model))
         speculative = SpeculativeDecoder(drafter, config.spec, cost)
