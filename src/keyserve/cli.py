@@ -147,6 +147,11 @@ def _add_distill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-slots", type=int, default=48, help="answers generated at once")
     p.add_argument("--gen-share", type=float, default=0.45, help="share of the time budget for generation")
     p.add_argument("--dropout", type=float, default=0.1, help="residual dropout while training")
+    p.add_argument("--corpus-tokens", type=int, default=0,
+                   help="also record the target's distributions along this many tokens of offline text "
+                        "(teacher-forced: Python docs and sources, package licences and descriptions)")
+    p.add_argument("--corpus-share", type=float, default=0.2,
+                   help="share of the time budget for the teacher-forced text (after the answers)")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--batch-tokens", type=int, default=2048, help="training tokens per step")
     p.add_argument("--lr", type=float, default=1e-3)

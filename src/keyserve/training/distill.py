@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from keyserve.model.draft_model import DraftMeta, embedding_checksum, tokenizer_fingerprint
 from keyserve.model.loader import LoadedModel, load_model
 from keyserve.model.paths import DEFAULT_MODEL_NAME
+from keyserve.training.corpus import record_corpus
 from keyserve.training.dense import DenseLlama
 from keyserve.training.export import export_draft
 from keyserve.training.generate import GenerationJob, generate_answers
@@ -61,6 +63,8 @@ class DistillOptions:
     gen_slots: int = 48
     gen_share: float = 0.45  # of the time budget, for the target's answers
     dropout: float = 0.1
+    corpus_tokens: int = 0  # teacher-forced tokens of offline text (training/corpus.py); 0: none
+    corpus_share: float = 0.2  # of the time budget, for them (after the answers)
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> DistillOptions:
@@ -123,13 +127,7 @@ def _generate(
     temps = _temperatures(len(prompts), opts)
     todo = [i for i in range(len(prompts)) if i not in done]
     if todo:
-        part = [len(list(data_dir.glob("part-*.safetensors")))]
-
-        def save(answers: list[Answer]) -> None:
-            path = data_dir / f"part-{part[0]:04d}.safetensors"
-            TeacherData.from_answers(answers, opts.teacher_top_k).save(path)
-            part[0] += 1
-
+        save = _part_saver(data_dir, opts.teacher_top_k)
         job = GenerationJob(
             prompts=[prompts[i] for i in todo],
             temperatures=[temps[i] for i in todo],
@@ -147,12 +145,43 @@ def _generate(
     return data
 
 
+def _part_saver(data_dir: Path, top_k: int) -> Callable[[list[Answer]], None]:
+    """Saves each list of answers as the next ``part-NNNN.safetensors`` of ``data_dir``."""
+    part = [len(list(data_dir.glob("part-*.safetensors")))]
+
+    def save(answers: list[Answer]) -> None:
+        path = data_dir / f"part-{part[0]:04d}.safetensors"
+        TeacherData.from_answers(answers, top_k).save(path)
+        part[0] += 1
+
+    return save
+
+
+def _record_corpus(target: LoadedModel, teacher: DenseLlama, out: Path, opts: DistillOptions,
+                   deadline: float) -> int:
+    """Teacher-forced offline text (training/corpus.py) after the answers, up to
+    ``opts.corpus_tokens`` tokens in all; returns the tokens recorded now."""
+    data_dir = out / "data"
+    have = load_parts(data_dir)
+    indices = [] if have is None else have.prompt_index.tolist()
+    passages = [i for i in indices if i < 0]
+    already = 0 if have is None else int(sum(
+        int(have.gen_offsets[j + 1] - have.gen_offsets[j]) for j, i in enumerate(indices) if i < 0))
+    if already >= opts.corpus_tokens:
+        return 0
+    return record_corpus(teacher, target.tokenizer, set(passages), _part_saver(data_dir, opts.teacher_top_k),
+                         deadline, opts.corpus_tokens - already, opts.teacher_top_k, opts.seed)
+
+
 def _split(data: TeacherData, seed: int) -> tuple[list[int], list[int]]:
-    """(train, held-out) sequence indices; held-out is ~5% of sequences, at least one."""
+    """(train, held-out) sequence indices; held-out is ~5% of the target's answers (never
+    teacher-forced text: agreement is measured where the draft serves), at least one."""
     order = list(range(data.num_sequences))
     random.Random(seed + 2).shuffle(order)
-    k = max(1, math.ceil(HELDOUT_SHARE * len(order))) if len(order) > 1 else 0
-    heldout, train = order[:k], order[k:] or order
+    answers = [i for i in order if int(data.prompt_index[i]) >= 0] or order
+    k = max(1, math.ceil(HELDOUT_SHARE * len(answers))) if len(order) > 1 else 0
+    heldout = answers[:k]
+    train = [i for i in order if i not in set(heldout)] or order
     return train, heldout or order[:1]
 
 
@@ -203,6 +232,9 @@ def distill_draft(opts: DistillOptions) -> Path:
             raise ValueError(f"{out}/checkpoint.pt exists but {out}/data/ is empty")
     else:
         data = _generate(target, teacher, out, opts, t0 + opts.gen_share * budget_s)
+        if opts.corpus_tokens > 0:
+            _record_corpus(target, teacher, out, opts, t0 + (opts.gen_share + opts.corpus_share) * budget_s)
+            data = load_parts(out / "data") or data
     gen_s = time.monotonic() - t0
     head_ids = _head_ids(out, data, target, opts)
     head_map = index_map(head_ids, target.config.vocab_size)
