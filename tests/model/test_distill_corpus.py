@@ -4,6 +4,7 @@ such passages to the data, resumably, without putting them in the held-out set."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -60,5 +61,8 @@ def test_distill_with_corpus_tokens(stories_path: str, tmp_path: Path) -> None:
     index = data.prompt_index.tolist()
     text_tokens = sum(int(data.gen_offsets[j + 1] - data.gen_offsets[j]) for j, i in enumerate(index) if i < 0)
     assert sum(i >= 0 for i in index) == 6 and text_tokens >= 600
+    record = json.loads((tmp_path / "keyserve_draft.json").read_text())["training"]["data"]
+    assert record["teacher_forced_tokens"] == text_tokens
+    assert record["answer_tokens"] + text_tokens == data.num_tokens
     _, heldout = _split(data, 0)
     assert heldout and all(index[j] >= 0 for j in heldout)  # agreement is measured on answers only

@@ -271,6 +271,12 @@ def distill_draft(opts: DistillOptions) -> Path:
     return out
 
 
+def _tokens_of(data: TeacherData, answers: bool) -> int:
+    """Recorded tokens of the target's answers (prompt index >= 0) or of teacher-forced text."""
+    lengths = data.gen_offsets[1:] - data.gen_offsets[:-1]
+    return int(lengths[(data.prompt_index >= 0) == answers].sum())
+
+
 def _training_record(
     opts: DistillOptions,
     data: TeacherData,
@@ -287,7 +293,8 @@ def _training_record(
         "init_layers": layer_ids,
         "data": {
             "sequences": data.num_sequences,
-            "answer_tokens": data.num_tokens,
+            "answer_tokens": _tokens_of(data, answers=True),
+            "teacher_forced_tokens": _tokens_of(data, answers=False),
             "prompt_tokens": int(data.prompt_tokens.numel()),
             "teacher_top_k": int(data.topk_ids.shape[1]),
             "vocab_coverage": coverage(data, head_ids, target.config.vocab_size),
