@@ -34,6 +34,7 @@ from keyserve.engine.cuda_graphs import DecodeGraphs
 from keyserve.engine.drafter import DraftBudget, Drafter, draft_budget
 from keyserve.engine.kv_budget import BudgetDefaults
 from keyserve.engine.kv_core import KVCore
+from keyserve.engine.malloc_tuning import tune_malloc
 from keyserve.engine.model_runner import ModelRunner
 from keyserve.engine.prefix_store import EnginePrefixStore
 from keyserve.engine.speculative import SpeculativeDecoder
@@ -148,6 +149,8 @@ def build_runner(
     (one rank): decode steps of up to that many rows replay CUDA graphs (engine/cuda_graphs.py),
     whose block tables hold ``max_model_len`` tokens."""
     arch = model.config
+    if device.type == "cpu":
+        tune_malloc()  # large activations reused, not re-faulted every layer (engine/malloc_tuning.py)
     kv = allocate_kv_cache(arch, num_blocks, block_size, dtype, device, rank, world_size)
     head = None
     if world_size > 1:
