@@ -78,7 +78,8 @@ def keyserve_decode(llm, max_tokens: int) -> float:
     from keyserve import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(CHAT_PROMPT, SamplingParams(max_tokens=4, temperature=0.0), chat=True)  # warm-up
+    # warm-up (EOS ignored: it always reaches a decode step, which records a CUDA graph on a GPU)
+    llm.generate(CHAT_PROMPT, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), chat=True)
     llm.engine.block_manager.reset_prefix_cache()
     [out] = llm.generate(CHAT_PROMPT, params, chat=True)
     return out.stats.tokens_per_s
@@ -97,14 +98,22 @@ def keyserve_throughput(llm, requests) -> tuple[float, float, int]:
 
 
 # -------------------------------------------------------------------- transformers
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def hf_decode(model, tokenizer, max_tokens: int) -> float:
+    """transformers' batch-1 decode tok/s on the model's own device (CPU or CUDA)."""
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )["input_ids"]
+    )["input_ids"].to(model.device)
 
     def run(n: int) -> float:
+        _sync(model.device)
         t = time.perf_counter()
         model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        _sync(model.device)
         return time.perf_counter() - t
 
     run(4)
@@ -113,14 +122,15 @@ def hf_decode(model, tokenizer, max_tokens: int) -> float:
     return max_tokens / (tn - t1)
 
 
-def hf_many_requests(path: str, dtype: str, requests, mode: str, budget_s: float | None, batch: int = 16) -> dict:
+def hf_many_requests(path: str, dtype: str, requests, mode: str, budget_s: float | None, batch: int = 16,
+                     device: str = "cpu") -> dict:
     """transformers on the request mix in a child process (bench/peers/hf_many.py): ``padded``
     ``generate`` in batches of ``batch``, or its continuous batching (the manager behind
     ``generate_batch``, each request with its own length). The budget's clock starts once the
     model is loaded and warmed up, as keyserve's does; ``None`` runs it to the end. Returns what
     it did: ``{tokens, requests, total_requests, elapsed, finished, budget_s, error}``."""
     spec = {"model": path, "dtype": dtype, "threads": torch.get_num_threads(), "mode": mode, "batch": batch,
-            "requests": [(r.prompt_token_ids, r.max_tokens) for r in requests]}
+            "device": device, "requests": [(r.prompt_token_ids, r.max_tokens) for r in requests]}
     out = hf_many.run(sys.executable, spec, budget_s if budget_s else float("inf"), f"transformers {mode} {dtype}")
     return dict(out, budget_s=budget_s or None, tok_s=useful_tok_s(out["tokens"], out["elapsed"]))
 

@@ -31,12 +31,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.peers import hf_many  # noqa: E402
-from bench.peers.results import useful_tok_s  # noqa: E402
+from bench.generate_bench import (  # noqa: E402
+    CHAT_PROMPT,
+    _sync,
+    hf_decode,
+    hf_many_requests,
+    keyserve_decode,
+    weight_bytes_per_token,
+)
 from bench.report import BENCHMARKS_MD, markdown_table, update_section  # noqa: E402
 from bench.workloads import mixed_requests  # noqa: E402
 
-CHAT_PROMPT = "Write a short story about a robot who learns to paint."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                    "special_tokens_map.json")
 
@@ -60,38 +65,12 @@ def copy_bandwidth_gbs(device: str, gib: float = 2.0) -> float:
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(6):
-        _sync(device)
+        _sync(src.device)
         t = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        _sync(src.device)
         best = min(best, time.perf_counter() - t)
     return 2 * src.numel() / best / 1e9
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: every matrix and norm (the embedding only as the
-    tied LM head, which reads all of it; an untied embedding lookup reads one row)."""
-    total = 0
-    for name, p in model.named_parameters():
-        if "embed_tokens" in name and not getattr(model.config, "tie_word_embeddings", False):
-            continue
-        total += p.numel() * p.element_size()
-    return total
-
-
-def keyserve_decode(llm, max_tokens: int) -> float:  # noqa: ANN001 - a keyserve LLM
-    from keyserve import SamplingParams
-
-    llm.generate(CHAT_PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), chat=True)
-    llm.engine.block_manager.reset_prefix_cache()
-    [out] = llm.generate(CHAT_PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                         chat=True)
-    return out.stats.tokens_per_s
 
 
 def keyserve_many(llm, requests) -> dict:  # noqa: ANN001
@@ -123,7 +102,7 @@ def profile_decode(llm, steps: int, out_dir: Path | None) -> str:  # noqa: ANN00
     step_until_decoding(engine, 1)
     for _ in range(8):
         engine.step()
-    _sync("cuda" if torch.cuda.is_available() else "cpu")
+    _sync(llm.engine.runner.device)
     t = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -148,30 +127,6 @@ def profile_decode(llm, steps: int, out_dir: Path | None) -> str:  # noqa: ANN00
     return text
 
 
-def hf_decode(model, tokenizer, max_tokens: int) -> float:  # noqa: ANN001
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"].to(model.device)
-
-    def run(n: int) -> float:
-        _sync(model.device.type)
-        t = time.perf_counter()
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        _sync(model.device.type)
-        return time.perf_counter() - t
-
-    run(8)
-    t1 = run(1)
-    return max_tokens / (run(max_tokens + 1) - t1)
-
-
-def hf_many_requests(path: str, dtype: str, device: str, requests, mode: str, budget_s: float) -> dict:
-    spec = {"model": path, "dtype": dtype, "threads": torch.get_num_threads(), "mode": mode, "batch": 16,
-            "device": device, "requests": [(r.prompt_token_ids, r.max_tokens) for r in requests]}
-    out = hf_many.run(sys.executable, spec, budget_s, f"transformers {mode}")
-    return dict(out, tok_s=useful_tok_s(out["tokens"], out["elapsed"]))
-
-
 def measure(path: str, dtype: str, device: str, args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -180,7 +135,9 @@ def measure(path: str, dtype: str, device: str, args: argparse.Namespace) -> dic
     bw = copy_bandwidth_gbs(device, 0.25 if args.smoke else 2.0)
     llm = LLM(path, device=device, dtype=dtype, kv_cache_memory_gb=args.kv_gb, max_num_batched_tokens=2048)
     tok = llm.tokenizer
-    wbytes = weight_bytes_per_token(llm.engine.loaded.model)
+    arch = llm.engine.loaded.config
+    wbytes = weight_bytes_per_token(llm.engine.loaded.model, arch.tie_word_embeddings, arch.vocab_size,
+                                    arch.hidden_size)
     ks_dec = keyserve_decode(llm, args.decode_tokens)
     reqs = mixed_requests(tok, args.num_requests, prompt_range=(50, min(1000, args.max_prompt)))
     ks_many = keyserve_many(llm, reqs)
@@ -203,8 +160,9 @@ def measure(path: str, dtype: str, device: str, args: argparse.Namespace) -> dic
     del hf
     if device == "cuda":
         torch.cuda.empty_cache()
-    padded = hf_many_requests(path, dtype, device, reqs, "padded", args.hf_budget)
-    cont = None if args.skip_hf_batch else hf_many_requests(path, dtype, device, reqs, "continuous", args.hf_budget)
+    padded = hf_many_requests(path, dtype, reqs, "padded", args.hf_budget, device=device)
+    cont = None if args.skip_hf_batch else hf_many_requests(path, dtype, reqs, "continuous", args.hf_budget,
+                                                            device=device)
     return {"dtype": dtype, "device": device, "date": time.strftime("%Y-%m-%d"), "bandwidth_gbs": bw,
             "weight_bytes": wbytes, "bound_tok_s": bw / 2 * 1e9 / wbytes, "keyserve_decode": ks_dec,
             "hf_decode": hf_dec, "keyserve_many": ks_many, "eager_decode": eager_dec, "eager_many": eager_many,

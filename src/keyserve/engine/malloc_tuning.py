@@ -15,7 +15,8 @@ up to ~1 GiB of freed memory kept by the process. Applied once per process when 
 from __future__ import annotations
 
 import ctypes
-import os
+
+from keyserve.kernels.native import env_switch
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 MMAP_THRESHOLD = 32 << 20  # glibc's largest accepted value on 64-bit
@@ -30,7 +31,7 @@ def tune_malloc() -> bool:
     global _applied
     if _applied is not None:
         return _applied
-    if os.environ.get("KEYSERVE_MALLOC_TUNING", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_switch("KEYSERVE_MALLOC_TUNING"):
         _applied = False
         return False
     try:

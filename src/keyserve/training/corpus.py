@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import sysconfig
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -179,8 +180,6 @@ def record_corpus(
 ) -> int:
     """Teacher-force passages not in ``done`` (their prompt indices) until ``max_tokens`` tokens
     or ``deadline`` (``time.monotonic()``); parts go to ``on_save``. Returns tokens recorded."""
-    import time
-
     texts = passages(seed=seed)
     items = chat_items(tokenizer, texts, passage_tokens, seed)
     todo = [(-1 - i, p, t) for i, (p, t) in enumerate(items) if -1 - i not in done]

@@ -15,8 +15,8 @@ import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -158,18 +158,15 @@ def _part_saver(data_dir: Path, top_k: int) -> Callable[[list[Answer]], None]:
 
 
 def _record_corpus(target: LoadedModel, teacher: DenseLlama, out: Path, opts: DistillOptions,
-                   deadline: float) -> int:
+                   have: TeacherData, deadline: float) -> int:
     """Teacher-forced offline text (training/corpus.py) after the answers, up to
-    ``opts.corpus_tokens`` tokens in all; returns the tokens recorded now."""
-    data_dir = out / "data"
-    have = load_parts(data_dir)
-    indices = [] if have is None else have.prompt_index.tolist()
-    passages = [i for i in indices if i < 0]
-    already = 0 if have is None else int(sum(
-        int(have.gen_offsets[j + 1] - have.gen_offsets[j]) for j, i in enumerate(indices) if i < 0))
+    ``opts.corpus_tokens`` tokens in all (``have``: the data on disk so far); returns the
+    tokens recorded now."""
+    already = _tokens_of(have, answers=False)
     if already >= opts.corpus_tokens:
         return 0
-    return record_corpus(teacher, target.tokenizer, set(passages), _part_saver(data_dir, opts.teacher_top_k),
+    passages = {i for i in have.prompt_index.tolist() if i < 0}
+    return record_corpus(teacher, target.tokenizer, passages, _part_saver(out / "data", opts.teacher_top_k),
                          deadline, opts.corpus_tokens - already, opts.teacher_top_k, opts.seed)
 
 
@@ -181,7 +178,8 @@ def _split(data: TeacherData, seed: int) -> tuple[list[int], list[int]]:
     answers = [i for i in order if int(data.prompt_index[i]) >= 0] or order
     k = max(1, math.ceil(HELDOUT_SHARE * len(answers))) if len(order) > 1 else 0
     heldout = answers[:k]
-    train = [i for i in order if i not in set(heldout)] or order
+    held = set(heldout)
+    train = [i for i in order if i not in held] or order
     return train, heldout or order[:1]
 
 
@@ -232,8 +230,8 @@ def distill_draft(opts: DistillOptions) -> Path:
             raise ValueError(f"{out}/checkpoint.pt exists but {out}/data/ is empty")
     else:
         data = _generate(target, teacher, out, opts, t0 + opts.gen_share * budget_s)
-        if opts.corpus_tokens > 0:
-            _record_corpus(target, teacher, out, opts, t0 + (opts.gen_share + opts.corpus_share) * budget_s)
+        if opts.corpus_tokens > 0 and _record_corpus(
+                target, teacher, out, opts, data, t0 + (opts.gen_share + opts.corpus_share) * budget_s):
             data = load_parts(out / "data") or data
     gen_s = time.monotonic() - t0
     head_ids = _head_ids(out, data, target, opts)
