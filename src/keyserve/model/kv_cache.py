@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from keyserve.kernels import huge_pages
 from keyserve.model.config import ModelConfig
 from keyserve.model.parallel import TPContext, kv_head_range
 
@@ -24,19 +25,15 @@ def allocate_kv_cache(
 
     Zeroed, not empty: attention gathers whole blocks and masks the unused slots by probability
     0, and ``0 * NaN`` from uninitialised memory would poison the output. With tensor
-    parallelism each rank holds only its own kv heads.
+    parallelism each rank holds only its own kv heads. On the CPU the pool is on huge pages
+    (kernels/huge_pages.py: decode reads scattered blocks of it every step).
     """
     _, local_heads = kv_head_range(config.num_key_value_heads, TPContext(tp_rank, tp_size))
-    cache = torch.zeros(
-        config.num_hidden_layers,
-        2,
-        num_blocks,
-        block_size,
-        local_heads,
-        config.head_dim,
-        dtype=dtype,
-        device=device,
-    )
+    shape = (config.num_hidden_layers, 2, num_blocks, block_size, local_heads, config.head_dim)
+    if torch.device(device).type == "cpu":
+        cache = huge_pages.zeros(shape, dtype)
+    else:
+        cache = torch.zeros(shape, dtype=dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(config.num_hidden_layers)]
 
 

@@ -24,6 +24,7 @@ from keyserve.kernels.native import library as native_library
 from keyserve.kernels.native.decode_stack import LayerWeights, NativeDecodeStack
 from keyserve.kernels.metadata import AttentionMetadata, LayerScores
 from keyserve.model.config import ModelConfig
+from keyserve.kernels import huge_pages
 from keyserve.model.kv_cache import KVCache, allocate_kv_cache
 from keyserve.model.matmul import linear, use_cpu_gemv_layout
 from keyserve.model.norm import RMSNorm
@@ -256,7 +257,10 @@ class LlamaForCausalLM(nn.Module):
     def _settle_layout(self) -> None:
         """After loading: column-major weights where the native kernels are not built (torch's
         GEMV streams that layout faster), else row-major stays (the native kernels stream it
-        best: docs/engine.md, "Native CPU decode") and the native decode step is gathered."""
+        best: docs/engine.md, "Native CPU decode") and the native decode step is gathered.
+        CPU weights move to huge pages first (kernels/huge_pages.py: every step streams them)."""
+        if self.model.embed_tokens.weight.device.type == "cpu":
+            huge_pages.rehome_parameters(self)
         if native_library() is None:
             use_cpu_gemv_layout(self)
         self._native_decode = self._build_native_decode()

@@ -17,6 +17,7 @@ import torch
 
 from keyserve.core.thread_governor import ThreadGovernor
 from keyserve.kernels.metadata import AttentionMetadata
+from keyserve.kernels import huge_pages
 from keyserve.kernels.native import amx, env_switch, require_library
 from keyserve.kernels.native.gemv import MAX_ROWS, WEIGHT_DTYPES
 
@@ -235,11 +236,13 @@ def _f32_packed(layers: list[LayerWeights], hidden: int, inter: int) -> list[lis
         return None
     if hidden % 32 or inter % 32 or any(lw.qkv_w.shape[0] % 32 for lw in layers):
         return None
+    mats = [(lw.qkv_w, lw.o_w, lw.gate_up_w, lw.down_w) for lw in layers]
+    buffers = iter(huge_pages.carve(4 * w.numel() for row in mats for w in row))  # streamed every step
     out = []
-    for lw in layers:
+    for row_w in mats:
         row = []
-        for w in (lw.qkv_w, lw.o_w, lw.gate_up_w, lw.down_w):
-            p = torch.empty(w.numel(), dtype=torch.float32)
+        for w in row_w:
+            p = next(buffers).view(torch.float32)
             lib.keyserve_f32_pack(w.data_ptr(), w.shape[0], w.shape[1], p.data_ptr())
             row.append(p)
         out.append(row)

@@ -31,12 +31,17 @@ void keyserve_f32_pack(const float *w, int64_t n, int64_t k, float *packed) {
 
 /* The 32 outputs of one packed block for MR rows of xp (k floats each, ldx apart), into out
  * [MR, 32]. MR constant (4, 8 or 12: the last tile of a step takes the smallest that holds its
- * rows), so the 2 x MR accumulators stay in registers. */
+ * rows), so the 2 x MR accumulators stay in registers. Meanwhile `lines` cache lines from pf on
+ * (a share of the next packed block) are prefetched into L2, spread evenly over the k steps:
+ * the block after this one then comes from L2 instead of stalling the multiplies on DRAM. */
 #define KS_F32_TILE(MR)                                                                            \
-    static void ks_f32_tile##MR(const float *xp, int64_t ldx, int64_t k, const float *b, float *out) { \
+    static void ks_f32_tile##MR(const float *xp, int64_t ldx, int64_t k, const float *b, float *out, \
+                                const char *pf, int64_t lines) {                                   \
         __m512 acc[MR][2];                                                                         \
+        int64_t due = 0;                                                                           \
         for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                  \
         for (int64_t i = 0; i < k; i++, b += KS_F32_BLOCK_COLS) {                                  \
+            for (due += lines; due >= k; due -= k, pf += 64) __builtin_prefetch(pf, 0, 2);         \
             const __m512 w0 = _mm512_loadu_ps(b), w1 = _mm512_loadu_ps(b + 16);                    \
             _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {                                \
                 const __m512 xv = _mm512_set1_ps(xp[r * ldx + i]);                                 \
@@ -59,17 +64,24 @@ void ks_f32_cols(const float *x, int m, int ldx, int64_t k, const float *packed,
     for (int r = 0; r < m; r++) memcpy(xpad + (int64_t)r * k, x + (int64_t)r * ldx, sizeof(float) * (size_t)k);
     memset(xpad + (int64_t)m * k, 0, sizeof(float) * (size_t)((rb * KS_F32_BLOCK_ROWS - m) * k));
     float tile[KS_F32_BLOCK_ROWS * KS_F32_BLOCK_COLS];
-    for (int64_t nb = c0 / KS_F32_BLOCK_COLS; nb < c1 / KS_F32_BLOCK_COLS; nb++) {
+    const int64_t block_lines = k * KS_F32_BLOCK_COLS * (int64_t)sizeof(float) / 64;
+    const int64_t nb1 = c1 / KS_F32_BLOCK_COLS;
+    for (int64_t nb = c0 / KS_F32_BLOCK_COLS; nb < nb1; nb++) {
         const float *b = packed + nb * k * KS_F32_BLOCK_COLS;
-        for (int r0 = 0; r0 < m; r0 += KS_F32_BLOCK_ROWS) {
+        /* the next block, a share per row tile (none after the last block) */
+        const char *next = nb + 1 < nb1 ? (const char *)(b + k * KS_F32_BLOCK_COLS) : 0;
+        for (int r0 = 0, t = 0; r0 < m; r0 += KS_F32_BLOCK_ROWS, t++) {
             const int rows = m - r0 < KS_F32_BLOCK_ROWS ? m - r0 : KS_F32_BLOCK_ROWS;
             const float *xp = xpad + (int64_t)r0 * k;
+            const int64_t l0 = block_lines * t / rb, l1 = block_lines * (t + 1) / rb;
+            const char *pf = next ? next + l0 * 64 : 0;
+            const int64_t lines = next ? l1 - l0 : 0;
             if (rows <= 4)
-                ks_f32_tile4(xp, k, k, b, tile);
+                ks_f32_tile4(xp, k, k, b, tile, pf, lines);
             else if (rows <= 8)
-                ks_f32_tile8(xp, k, k, b, tile);
+                ks_f32_tile8(xp, k, k, b, tile, pf, lines);
             else
-                ks_f32_tile12(xp, k, k, b, tile);
+                ks_f32_tile12(xp, k, k, b, tile, pf, lines);
             for (int r = 0; r < rows; r++)
                 memcpy(y + (int64_t)(r0 + r) * ldy + nb * KS_F32_BLOCK_COLS, tile + r * KS_F32_BLOCK_COLS,
                        sizeof(float) * KS_F32_BLOCK_COLS);
