@@ -139,6 +139,7 @@ def single_stream_rounds(args, peers: build.Peers, model_dir: Path, gguf_paths: 
                 if engine == "bandwidth":
                     res = run_worker(ours, spec, dict(os.environ))
                     rnd.bandwidth_gbs = res["bandwidth_gbs"]
+                    rnd.bandwidth_by_pages = res.get("bandwidth_by_pages", {})
                     rnd.loads.append(res["load"])
                 elif engine == "llama.cpp":
                     spec["model"] = str(gguf_paths[precision])
@@ -160,7 +161,8 @@ def single_stream_rounds(args, peers: build.Peers, model_dir: Path, gguf_paths: 
                     tqdm.write(f"round {r + 1} {engine} {precision}: decode {res['decode_tok_s']:.1f} tok/s, "
                                f"prefill {res['prefill_tok_s']:.0f} tok/s (load {res['load_decode']:.2f})")
                 else:
-                    tqdm.write(f"round {r + 1} bandwidth: {rnd.bandwidth_gbs:.1f} GB/s (load {res['load']:.2f})")
+                    by = ", ".join(f"{k} pages {v:.1f}" for k, v in rnd.bandwidth_by_pages.items())
+                    tqdm.write(f"round {r + 1} bandwidth: {rnd.bandwidth_gbs:.1f} GB/s ({by}; load {res['load']:.2f})")
                 bar.update(1)
             rounds.append(rnd)
     return rounds
@@ -431,6 +433,11 @@ def report_body(args, record: dict, rounds: list[Round], kept: list[Round], drop
         rounds_txt += (f" {', '.join(no_repack)} crashed with llama.cpp's weight repacking on this CPU "
                        f"(its AMX buffers, by the log) and ran with repacking off "
                        f"(`use_extra_bufts = false`, llama-server's `--no-repack`), its best working configuration.")
+    used = kept or rounds
+    by_pages = {k: results.spread([r.bandwidth_by_pages[k] for r in used if k in r.bandwidth_by_pages])
+                for k in ("4k", "huge") if any(k in r.bandwidth_by_pages for r in used)}
+    pages_txt = (" (" + ", ".join(f"{'4 KB' if k == '4k' else 'huge'} pages {v.text()}" for k, v in by_pages.items())
+                 + ")") if by_pages else ""
     many_txt = ""
     if tables["many"]:
         many_txt = (
@@ -458,8 +465,9 @@ def report_body(args, record: dict, rounds: list[Round], kept: list[Round], drop
         f"{len(record['decode_prompt'])}-token chat prompt, timed from "
         f"the first generated token) and prefill (a {args.prefill_tokens}-token prompt, nothing cached, tok/s = "
         f"prompt tokens ÷ time to first token). Median (low–high) over the rounds used.\n\n"
-        f"Memory read bandwidth at {args.threads} threads (torch's sum over a 1 GiB float32 buffer, best of 5): "
-        f"{bw.text()} GB/s. Bandwidth bound = that ÷ the bytes of weights one decode step reads (every tensor once; "
+        f"Memory read bandwidth at {args.threads} threads (torch's sum over a 1 GiB float32 buffer, best of 5, "
+        f"on 4 KB pages and on transparent huge pages, the better of the two): {bw.text()} GB/s"
+        f"{pages_txt}. Bandwidth bound = that ÷ the bytes of weights one decode step reads (every tensor once; "
         f"the tied embedding is the LM head, so all of it): " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in
                                                                           bounds.items()) + ".\n\n"
         f"### Batch-1 decode and prefill\n\n{tables['single']}\n\n{many_txt}"

@@ -18,6 +18,7 @@ class Round:
 
     index: int
     bandwidth_gbs: float
+    bandwidth_by_pages: dict[str, float] = field(default_factory=dict)  # "4k" / "huge" -> GB/s
     loads: list[float] = field(default_factory=list)  # every 1-min load read before a measurement
     results: list[dict] = field(default_factory=list)  # worker.measure() dicts
 

@@ -162,19 +162,32 @@ def measure(spec: dict) -> dict:
 
 def bandwidth(spec: dict) -> dict:
     """Memory read bandwidth at ``threads`` threads: torch's sum over a 1 GiB float32 buffer (far
-    beyond any last-level cache), best of 5 after one untimed pass; bytes read ÷ seconds."""
+    beyond any last-level cache), best of 5 after one untimed pass; bytes read ÷ seconds. Read
+    on ordinary 4 KB pages and on transparent huge pages (keyserve/kernels/huge_pages.py; the
+    same sum reads ~35 % faster there on the Xeon, its TLB and prefetcher no longer stopping
+    every 4 KB): the bound is the better of the two, what the memory can deliver."""
     import torch
 
+    from keyserve.kernels import huge_pages
+
     torch.set_num_threads(spec["threads"])
-    x = torch.ones(int(spec.get("gib", 1.0) * (1 << 30)) // 4, dtype=torch.float32)
-    x.sum()
+    n = int(spec.get("gib", 1.0) * (1 << 30)) // 4
     load = load_1min()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
+    rates = {}
+    for pages in ("4k", "huge"):
+        if pages == "huge" and not huge_pages.available():
+            continue
+        x = huge_pages.empty(n, torch.float32) if pages == "huge" else torch.empty(n, dtype=torch.float32)
+        x.fill_(1.0)
         x.sum()
-        best = min(best, time.perf_counter() - t)
-    return {"engine": "bandwidth", "bandwidth_gbs": x.numel() * 4 / best / 1e9, "load": load}
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t)
+        rates[pages] = x.numel() * 4 / best / 1e9
+        del x
+    return {"engine": "bandwidth", "bandwidth_gbs": max(rates.values()), "bandwidth_by_pages": rates, "load": load}
 
 
 def main() -> None:

@@ -141,3 +141,22 @@ def test_bfloat16_close(tiny: transformers.PreTrainedModel) -> None:
     assert (ours - ref16).abs().max().item() <= 0.05 * scale
     assert (ours - ref32).abs().max().item() <= 0.05 * scale
     assert (ours.argmax(-1) == ref32.argmax(-1)).float().mean() >= 0.9
+
+
+@torch.no_grad()
+def test_rows_keep_only_the_asked_outputs(tiny: transformers.PreTrainedModel) -> None:
+    """``forward(..., rows)`` (the engine asks only for sampled rows): the hidden states of
+    those rows, in their order, equal the full forward's, and every token's K/V -- the last
+    layer's included -- is written exactly as without ``rows``."""
+    model = ours_from_hf(tiny)
+    full, part = (PagedRunner(model, num_blocks=64, block_size=8, seed=5) for _ in range(2))
+    prompts = [(0, _tokens(300, 21, seed=1)), (1, _tokens(300, 9, seed=2))]
+    ids, pos, meta = full.build(prefill=prompts)
+    ids_b, pos_b, meta_b = part.build(prefill=prompts)
+    h_full, _ = model(ids, pos, full.kv_caches, meta)
+    rows = torch.tensor([29, 20, 3])  # both prompts' last tokens and one inside, out of order
+    h_part, _ = model(ids_b, pos_b, part.kv_caches, meta_b, rows)
+    assert h_part.shape == (3, model.config.hidden_size)
+    torch.testing.assert_close(h_part, h_full.index_select(0, rows), atol=1e-5, rtol=1e-5)
+    for (k_a, v_a), (k_b, v_b) in zip(full.kv_caches, part.kv_caches, strict=True):
+        assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)

@@ -244,11 +244,12 @@ class ModelRunner:
             logits = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # [n, vocab]
             if logits is not None:
                 return logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=logits.device)), None
-        hidden, scores = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if not rows:
+        index = torch.tensor(rows, dtype=torch.int64, device=inputs.input_ids.device) if rows else None
+        # only the asked rows leave the last layer (its K/V are still written for every token)
+        hidden, scores = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, index)
+        if index is None:
             return None, scores
-        index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
-        return self.logits_fn(hidden.index_select(0, index)), scores
+        return self.logits_fn(hidden), scores
 
     @torch.inference_mode()
     def execute(

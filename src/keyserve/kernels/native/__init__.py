@@ -131,6 +131,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.keyserve_f32_block_available.argtypes = []
     lib.keyserve_f32_pack.restype = None
     lib.keyserve_f32_pack.argtypes = [p, i64, i64, p]
+    lib.keyserve_f32_linear.restype = ctypes.c_int
+    lib.keyserve_f32_linear.argtypes = [p, i, i64, p, i64, p, i]
     lib.keyserve_write_kv.restype = i64
     lib.keyserve_write_kv.argtypes = [p, p, p, p, p, i, i, i, i, i, i, i64]
     lib.keyserve_gemv.restype = None

@@ -5,7 +5,7 @@ decode-only step is then one ``ctypes`` call that runs every layer -- no Python,
 construction per layer. Steps it does not take (prefill or mixed rows, KV-budget scores,
 more rows than ``max_rows`` allows, autograd) stay on the model's torch path. Where the build
 has them, the layers' weights are also packed for the step's products of several rows: AMX
-tiles for bf16 (``amx.py``, from 2 rows), float32 register tiles (``f32_block.c``, from 8).
+tiles for bf16 (``amx.py``, from 2 rows), float32 register tiles (``f32_block.c``, from 2).
 """
 
 from __future__ import annotations
