@@ -100,3 +100,16 @@ def test_no_probe_when_k_max_is_zero_and_bad_arguments() -> None:
     assert all(ak.choose() == 0 for _ in range(10))
     with pytest.raises(ValueError):
         AdaptiveK(min_interval=0)
+
+
+def test_leaving_k0_needs_a_margin_staying_does_not() -> None:
+    """From K = 0 a K must promise ``switch_margin`` more than plain decoding (its first step
+    pays a catch-up the cost model does not see); a K already running stays at a smaller gain.
+    α pinned at 0.3 and c = 0.262: K = 1 promises 1.30 / 1.262 = 1.03x. Mutation caught: the
+    margin check in ``choose`` dropped (it leaves 0 for 1.03x)."""
+    ak = AdaptiveK(k_min=0, k_max=4, cost_ratio=0.262, prior_alpha=0.3, prior_weight=1e9, min_interval=64)
+    assert ak.choose() == 1  # nothing before: the plain best
+    assert ak.choose(lambda k: 1.0 + 5.0 * k) == 0  # speculation expensive for a while
+    assert ak.choose() == 0  # 1.03x does not clear the 5 % margin from 0
+    assert ak.choose(lambda k: 1.0 + 0.1 * k) > 0  # a clear gain leaves 0
+    assert ak.choose() == 1  # and 1.03x keeps a running K

@@ -73,3 +73,27 @@ def test_not_adaptive_records_nothing_and_k_is_fixed() -> None:
         assert set(policy.lookaheads(seqs, MAX_LEN).values()) == {3}
         policy.observe_step(2, 3, 1.0)
     assert policy.costs.estimates(2) == {}
+
+
+def test_new_sequences_start_from_the_engines_acceptance() -> None:
+    """A sequence's first K comes from what this engine's drafts have been accepted at, not
+    from a fixed optimistic prior. With a measured K-step cost of 1 + 0.25·K: at the default
+    prior (0.7) a new sequence drafts 2 (2.19 tokens per 1.5 cost); after 40 verifications
+    accepted 30 % of the time a new one drafts 1 (1.30 tokens per 1.25 beats 1.39 per 1.5).
+    Mutation caught: the new AdaptiveK built without ``prior_alpha=self.prior_alpha()`` (it
+    drafts 2 again)."""
+    policy, seqs = _policy(k=4), _seqs(1)
+    for _ in range(2):
+        policy.lookaheads(seqs, MAX_LEN)
+        policy.observe_step(1, 0, 1.0)
+    for k in (1, 2, 3, 4, 1, 2, 3, 4):
+        policy.costs.record(1, k, 1.0 + 0.25 * k)
+    assert [policy.costs.relative_cost(k, 1) for k in (1, 4)] == [1.25, 2.0]
+    assert policy.prior_alpha() == 0.7
+    assert policy.lookaheads(seqs, MAX_LEN)[seqs[0].seq_id] == 2
+    for i in range(40):  # another request's verifications, 3 in 10 accepted
+        policy.record("other", 99, 1, int(i % 10 < 3))
+    assert abs(policy.prior_alpha() - 0.3) < 0.05
+    fresh = _seqs(2)[1]
+    fresh.seq_id = 12345
+    assert policy.lookaheads([fresh], MAX_LEN)[fresh.seq_id] == 1

@@ -64,7 +64,13 @@ class AdaptiveK:
     probe_k: int = 1  # drafts of a probe while K = 0
     min_interval: int = 4  # steps at K = 0 before the first probe
     max_interval: int = 256
+    # Leaving K = 0 costs a catch-up step the cost model does not see (the draft first reads
+    # what it skipped), so from 0 a K must promise this much more than plain decoding. Near the
+    # break-even (batch 1, float32, a draft accepted ~0.3 of the time) K flipped between 0 and
+    # 1-2 and lost 3-4 % to catch-ups while fixed K = 1 was even.
+    switch_margin: float = 0.05
     last_was_probe: bool = field(init=False, default=False)
+    _last: int = field(init=False, default=-1)  # the previous choice (-1: none yet)
     _accepted: float = field(init=False)
     _tested: float = field(init=False)
     _interval: int = field(init=False)
@@ -89,6 +95,11 @@ class AdaptiveK:
         self._tested = self.decay * self._tested + accepted + rejections
 
     @property
+    def tested(self) -> float:
+        """Decayed drafts tested so far, the prior's weight included."""
+        return self._tested
+
+    @property
     def alpha(self) -> float:
         return self._accepted / self._tested if self._tested > 0 else self.prior_alpha
 
@@ -101,9 +112,16 @@ class AdaptiveK:
         return max(ks, key=lambda k: (expected_tokens(alpha, k) / (cost(k) if k else 1.0), -k))
 
     def choose(self, relative_cost: Callable[[int], float] | None = None) -> int:
-        """``best``, except that at K = 0 it drafts ``probe_k`` now and then (module doc);
-        ``last_was_probe`` says whether this choice was such a probe."""
+        """``best``, except that from K = 0 it moves only for a gain above ``switch_margin``,
+        and at K = 0 it drafts ``probe_k`` now and then (module doc); ``last_was_probe`` says
+        whether this choice was such a probe."""
         k = self.best(relative_cost)
+        if k > 0 and self._last == 0:
+            cost = relative_cost or (lambda kk: 1.0 + self.cost_ratio * kk)
+            alpha = min(max(self.alpha, 0.0), 1.0)
+            if expected_tokens(alpha, k) / cost(k) < 1.0 + self.switch_margin:
+                k = 0
+        self._last = k
         self.last_was_probe = False
         if k > 0:
             self._interval = self._countdown = self.min_interval

@@ -123,7 +123,11 @@ def rehome_parameters(module: torch.nn.Module) -> int:
         if t.device.type == "cpu" and t.numel() and t.is_contiguous() and id(t) not in seen:
             seen[id(t)] = t
     tensors = list(seen.values())
-    copies = arena_copies(t.data for t in tensors)
-    for t, c in zip(tensors, copies, strict=True):
-        t.data = c
+    buffers = carve(t.numel() * t.element_size() for t in tensors)  # reserved, not yet touched
+    for t, buf in zip(tensors, buffers, strict=True):
+        # one tensor at a time: its old storage is freed as the next is copied, so the peak is
+        # the model plus one tensor, not two models (an 8B bf16 model is 16 GB)
+        copy = buf.view(t.dtype).view(t.shape)
+        copy.copy_(t.data)
+        t.data = copy
     return sum(_aligned(t.numel() * t.element_size()) for t in tensors)
