@@ -41,13 +41,23 @@ def test_empty_is_aligned_and_advised() -> None:
 
 
 def test_small_or_switched_off_is_ordinary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No advice for a tensor under one huge page, nor with ``KEYSERVE_HUGE_PAGES=0``. (Checked
+    on the madvise calls: in a long test process a fresh buffer can land in heap memory an
+    earlier, freed huge-page buffer left advised.)"""
+    huge_pages.available()  # binds the real madvise, replaced below by a recorder
+    calls: list[tuple] = []
+    monkeypatch.setattr(huge_pages, "_madvise", lambda *args: calls.append(args) or 0)
     small = huge_pages.empty(1000, torch.float32)
-    assert small.numel() == 1000
+    assert small.numel() == 1000 and not calls
     monkeypatch.setenv("KEYSERVE_HUGE_PAGES", "0")
     assert not huge_pages.available()
     big = huge_pages.empty(1 << 22, torch.float32)
-    assert "hg" not in vm_flags(big.data_ptr())
+    assert big.numel() == 1 << 22 and not calls
     assert huge_pages.rehome_parameters(torch.nn.Linear(4, 4)) == 0
+    monkeypatch.setenv("KEYSERVE_HUGE_PAGES", "1")
+    if huge_pages.available():
+        t = huge_pages.empty(3 << 20, torch.float32)  # 12 MB: advised, from its aligned start
+        assert calls == [(t.data_ptr(), 12 << 20, huge_pages.MADV_HUGEPAGE)]
 
 
 def test_zeros_are_zero() -> None:
