@@ -217,10 +217,12 @@ def main() -> None:
         f"{args.steps} greedy decode steps per path per round (median step: model forward + LM "
         f"head over the sampled rows), {len(loads)} of {args.rounds} interleaved rounds kept "
         f"(1-minute load average {min(loads):.2f}-{max(loads):.2f}, threshold {args.max_load}). "
-        "Bound = read bandwidth (one streaming pass over a weight-sized buffer, same threads, "
-        "same rounds) / bytes of weights read per step (all layers + the tied 49152x576 LM "
-        "head). 'share of bound' is rows x tok/s per sequence / bound: the fraction of the "
-        "bandwidth the step turns into weight reads.\n\n" + table
+        "Bound = read bandwidth (one streaming pass over a weight-sized buffer on 4 KB and on "
+        "huge pages, the better of the two; same threads, same rounds) / bytes of weights read "
+        "per step (all layers + the tied 49152x576 LM head). 'share of bound' is rows x tok/s "
+        "per sequence / bound: the fraction of the bandwidth the step turns into weight reads. "
+        "It is a DRAM bound: a share above 100 % means part of the weights were still in the "
+        "last-level cache from the previous step (which a CPU with a large L3 allows).\n\n" + table
     )
     print(table)
     if not args.no_write:
