@@ -60,10 +60,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--native-rows", type=int, default=None,
                     help="most rows the native decode step takes (default: the engine's own limit)")
     ap.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens per step, the prefill chunk budget (default: the engine's)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     extra = {"block_size": args.block_size} if args.block_size else {}
+    if args.max_num_batched_tokens:
+        extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     engine = LLMEngine(EngineConfig.from_flat(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                               kv_cache_memory_gb=4.0, **extra))
     reqs = mixed_requests(engine.tokenizer, num=args.num_requests)
