@@ -98,23 +98,12 @@ def carve(tensors_bytes: Iterable[int]) -> list[torch.Tensor]:
     return [arena[off : off + n] for off, n in zip(offsets, sizes, strict=True)]
 
 
-def arena_copies(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of contiguous CPU ``tensors`` (any dtypes) in one huge-page arena (``carve``)."""
-    tensors = list(tensors)
-    buffers = carve(t.numel() * t.element_size() for t in tensors)
-    out = []
-    for t, buf in zip(tensors, buffers, strict=True):
-        copy = buf.view(t.dtype).view(t.shape)
-        copy.copy_(t)
-        out.append(copy)
-    return out
-
-
 @torch.no_grad()
 def rehome_parameters(module: torch.nn.Module) -> int:
-    """Move every contiguous CPU parameter and buffer of ``module`` into one huge-page arena, in place
-    (``.data`` swapped, so tied parameters stay tied and holders of the Parameter objects see
-    the move); returns the bytes moved, 0 where huge pages are not available."""
+    """Move every contiguous CPU parameter and buffer of ``module`` into one huge-page arena
+    (``carve``), in place (``.data`` swapped, so tied parameters stay tied and holders of the
+    Parameter objects see the move); returns the bytes moved, 0 where huge pages are not
+    available."""
     if not available():
         return 0
     seen: dict[int, torch.Tensor] = {}
