@@ -18,6 +18,7 @@ ones: the bytes are the same either way, only their pages differ.
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -61,8 +62,7 @@ def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised flat CPU tensor of ``numel`` elements whose 2 MB-aligned pages are
     advised huge before anything touches them (an ordinary ``torch.empty`` where huge pages
     are not available or the tensor is smaller than one huge page)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * itemsize
+    nbytes = numel * dtype.itemsize
     if nbytes < HUGE_PAGE or not available():
         return torch.empty(numel, dtype=dtype)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
@@ -75,10 +75,7 @@ def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """``torch.zeros(shape)`` on huge pages where available."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    return empty(numel, dtype).zero_().view(shape)
+    return empty(math.prod(shape), dtype).zero_().view(shape)
 
 
 def _aligned(nbytes: int) -> int:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from keyserve.core.thread_governor import ThreadGovernor
-from keyserve.kernels.metadata import AttentionMetadata
 from keyserve.kernels import huge_pages
-from keyserve.kernels.native import amx, env_switch, require_library
+from keyserve.kernels.metadata import AttentionMetadata
+from keyserve.kernels.native import amx, env_switch, f32_blocks, require_library
 from keyserve.kernels.native.gemv import MAX_ROWS, WEIGHT_DTYPES
 
 _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -231,22 +231,13 @@ def _f32_packed(layers: list[LayerWeights], hidden: int, inter: int) -> list[lis
     outputs per block, input-major), or None where the step cannot use them: no AVX-512 build,
     outputs the 32-column blocks do not divide, or ``KEYSERVE_F32_BLOCKS=0``. A second copy of
     the layers' float32 weights (SmolLM2: 430 MB)."""
-    lib = require_library()
-    if not env_switch("KEYSERVE_F32_BLOCKS") or not lib.keyserve_f32_block_available():
+    if not f32_blocks.available():
         return None
     if hidden % 32 or inter % 32 or any(lw.qkv_w.shape[0] % 32 for lw in layers):
         return None
     mats = [(lw.qkv_w, lw.o_w, lw.gate_up_w, lw.down_w) for lw in layers]
     buffers = iter(huge_pages.carve(4 * w.numel() for row in mats for w in row))  # streamed every step
-    out = []
-    for row_w in mats:
-        row = []
-        for w in row_w:
-            p = next(buffers).view(torch.float32)
-            lib.keyserve_f32_pack(w.data_ptr(), w.shape[0], w.shape[1], p.data_ptr())
-            row.append(p)
-        out.append(row)
-    return out
+    return [[f32_blocks.pack_into(w, next(buffers)) for w in row] for row in mats]
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -26,12 +26,17 @@ def available() -> bool:
     return lib is not None and env_switch("KEYSERVE_F32_BLOCKS") and bool(lib.keyserve_f32_block_available())
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:  # [out, in] float32 -> [out * in] float32
-    lib = require_library()
-    out, k = weight.shape
-    packed = huge_pages.carve([4 * out * k])[0].view(torch.float32)
-    lib.keyserve_f32_pack(weight.data_ptr(), out, k, packed.data_ptr())
+def pack_into(
+    weight: torch.Tensor,  # [out, in] float32, row-major, out % 32 == 0
+    buffer: torch.Tensor,  # [4 * out * in] uint8 (huge_pages.carve's)
+) -> torch.Tensor:  # [out * in] float32: the tiles' layout (f32_block.c)
+    packed = buffer.view(torch.float32)
+    require_library().keyserve_f32_pack(weight.data_ptr(), weight.shape[0], weight.shape[1], packed.data_ptr())
     return packed
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:  # [out, in] float32 -> [out * in] float32
+    return pack_into(weight, huge_pages.carve([4 * weight.numel()])[0])
 
 
 packed_weight = PerWeight(_pack)
