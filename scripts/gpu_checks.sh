@@ -20,7 +20,7 @@ if [ "${1:-}" = "--prepare" ]; then
         "pydantic_core==$(.venv/bin/python -c 'import pydantic_core; print(pydantic_core.__version__)')" \
         annotated_types typing_inspection
     smol="${KEYSERVE_CACHE_DIR:-$HOME/.cache/keyserve}/models/SmolLM2-135M-Instruct"
-    mkdir -p .devcarry/smol
+    rm -rf .devcarry && mkdir -p .devcarry/smol
     cp -r "${KEYSERVE_STORIES260K:-../shared/models/stories260k}" .devcarry/stories260k
     cp "$smol"/{config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja,generation_config.json} .devcarry/smol/
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
