@@ -25,6 +25,16 @@ Mutations caught (each applied by hand, seen to fail, reverted):
   (``KVBudgetState._write_new``): S after the first decode step;
 - accumulating every verified row, rejected drafts included (``KVBudgetTracker.settle``): S
   after the first verification with a rejection (speculative tests only).
+
+The scoring options (``kv_score_window="last"``, ``kv_score_pooling="layer"``; the replay
+follows them in ``_attend``), mutations caught:
+
+- the prompt's last token not held back for a step of its own (``scheduler._hold_back_last``
+  returning n): the "last" prompt selections keep other positions (every "last" test);
+- S added to instead of replaced under "last" (``KVBudgetState.accumulate``): every "last" test;
+- no pooling (``pool_over_layer`` returning the scores unchanged): every "layer" test;
+- a verification settled with its first accepted row's scores instead of the newest's
+  (``KVBudgetTracker.settle``): the speculative "last" tests.
 """
 
 from __future__ import annotations
@@ -59,9 +69,10 @@ def speculative(stories_path: str, draft_dir: str) -> LLM:
     return LLM(stories_path, num_blocks=256, block_size=8, draft=draft_dir, num_speculative_tokens=3)
 
 
-def _params(policy: str, k: int) -> SamplingParams:
+def _params(policy: str, k: int, window: str = "all", pooling: str = "kv_head") -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, seed=SEED, ignore_eos=True,
-                          kv_policy=policy, kv_budget=k, recent_ratio=0.3)
+                          kv_policy=policy, kv_budget=k, recent_ratio=0.3, kv_score_window=window,
+                          kv_score_pooling=pooling)
 
 
 class _Snapshots:
@@ -116,10 +127,11 @@ def _same_state(got: tuple[torch.Tensor, torch.Tensor], oracle: DenseBudgetOracl
     torch.testing.assert_close(scores, oracle.scores(), atol=2e-5, rtol=2e-5, msg=lambda m: f"{what}: S: {m}")
 
 
-def _run(llm: LLM, hf, policy: str, k: int) -> tuple[list[int], list[int], _Snapshots, list]:
+def _run(llm: LLM, hf, policy: str, k: int, window: str = "all",
+         pooling: str = "kv_head") -> tuple[list[int], list[int], _Snapshots, list]:
     """Step the engine over one request; after each step keep its budget state."""
     engine = llm.engine
-    rid = engine.add_request(PROMPT, _params(policy, k))
+    rid = engine.add_request(PROMPT, _params(policy, k, window, pooling))
     seq_id = engine.requests[rid].seqs[0].seq_id
     after_step = []
     with _Snapshots(llm, seq_id) as snaps:
@@ -133,13 +145,19 @@ def _run(llm: LLM, hf, policy: str, k: int) -> tuple[list[int], list[int], _Snap
     return out.prompt_token_ids, out.token_ids, snaps, after_step
 
 
+OPTIONS = [("all", "kv_head"), ("last", "kv_head"), ("all", "layer"), ("last", "layer")]
+
+
 @pytest.mark.parametrize("policy", ["h2o", "keyformer"])
 @pytest.mark.parametrize("k", [12, 0.5])
-def test_every_step_equals_the_dense_replay(llm: LLM, hf, policy: str, k: float) -> None:
-    """Prompt phase, then every decode step: kept positions per slot, S, and the token."""
-    prompt, tokens, snaps, after_step = _run(llm, hf, policy, k)
+@pytest.mark.parametrize("options", OPTIONS, ids=["-".join(o) for o in OPTIONS])
+def test_every_step_equals_the_dense_replay(llm: LLM, hf, policy: str, k: float, options: tuple[str, str]) -> None:
+    """Prompt phase, then every decode step: kept positions per slot, S, and the token; with
+    each combination of the scoring options (``kv_score_window``, ``kv_score_pooling``)."""
+    window, pooling = options
+    prompt, tokens, snaps, after_step = _run(llm, hf, policy, k, window, pooling)
     budget = k if k > 1 else max(1, round(k * len(prompt)))
-    oracle = DenseBudgetOracle(hf, policy, int(budget), 0.3, SEED, MAX_TOKENS)
+    oracle = DenseBudgetOracle(hf, policy, int(budget), 0.3, SEED, MAX_TOKENS, window=window, pooling=pooling)
     assert len(prompt) > budget + 10 and len(tokens) == MAX_TOKENS
     states = dict(after_step)  # tokens generated so far -> state after that step
     states[len(tokens)] = snaps.released
@@ -155,14 +173,18 @@ def test_every_step_equals_the_dense_replay(llm: LLM, hf, policy: str, k: float)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "keyformer"])
-def test_speculative_verifications_equal_the_dense_replay(speculative: LLM, hf, policy: str) -> None:
+@pytest.mark.parametrize("options", [OPTIONS[0], OPTIONS[3]], ids=["all-kv_head", "last-layer"])
+def test_speculative_verifications_equal_the_dense_replay(speculative: LLM, hf, policy: str,
+                                                          options: tuple[str, str]) -> None:
     """A target under a budget that verifies a draft's tokens: after each settled verification
-    (accepted rows scored, rejected ones not, then evicted down to k at once) and each plain
-    decode step, the same slots, S and tokens as the replay of the accepted rows."""
+    (accepted rows scored, rejected ones not, then evicted down to k at once; under "last" the
+    newest accepted row's scores alone) and each plain decode step, the same slots, S and
+    tokens as the replay of the accepted rows."""
     k = 12
-    prompt, tokens, snaps, after_step = _run(speculative, hf, policy, k)
+    window, pooling = options
+    prompt, tokens, snaps, after_step = _run(speculative, hf, policy, k, window, pooling)
     snaps.prompt = next((snap for count, snap in after_step if count == 1), None)
-    oracle = DenseBudgetOracle(hf, policy, k, 0.3, SEED, MAX_TOKENS)
+    oracle = DenseBudgetOracle(hf, policy, k, 0.3, SEED, MAX_TOKENS, window=window, pooling=pooling)
     logits = oracle.prompt(prompt, follow=snaps.prompt[0] if snaps.prompt else None)
     assert int(logits.argmax()) == tokens[0]
     n = len(prompt)

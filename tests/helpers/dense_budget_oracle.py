@@ -25,10 +25,14 @@ class DenseBudgetOracle:
     """One sequence under an H2O or Keyformer budget of ``k`` tokens per (layer, kv-head)."""
 
     def __init__(self, hf_model, policy: str, k: int, recent_ratio: float, seed: int,
-                 max_tokens: int, tau_init: float = 1.0, tau_end: float = 2.0) -> None:
+                 max_tokens: int, tau_init: float = 1.0, tau_end: float = 2.0,
+                 window: str = "all", pooling: str = "kv_head") -> None:
         cfg = hf_model.config
         self.hf = hf_model
         self.policy, self.k = policy, k
+        # The scoring options: S = the newest query's attention instead of the sum over all
+        # queries ("last"); one S per layer, the sum over its kv-heads, given to each ("layer").
+        self.window, self.pooling = window, pooling
         self.w = max(0, min(k, int(math.floor(recent_ratio * k + 0.5))))  # round half up
         self.seed = noise.request_seed(seed, 0)
         self.max_tokens, self.tau_init, self.tau_end = max_tokens, tau_init, tau_end
@@ -191,6 +195,7 @@ class DenseBudgetOracle:
         taus: list[float],
     ) -> torch.Tensor:  # [Hq, q, d]
         out = torch.empty_like(q)
+        masses: list[dict[int, float]] = [{} for _ in range(self.H)]  # per kv-head: position -> this forward's mass
         for hq in range(self.Hq):
             h = hq // self.group
             held = self.slot_of[layer][h]
@@ -207,7 +212,13 @@ class DenseBudgetOracle:
                 zeta = -torch.log(-torch.log(noise.uniforms(row, slot[None, :]).clamp(1e-20, 1 - 1e-7)))
                 tau = torch.tensor(taus)[:, None]
                 f = torch.softmax(((x + zeta) / tau).masked_fill(~visible, float("-inf")), dim=-1)
-            mass = f.sum(dim=0)  # [n]
+            mass = f[-1] if self.window == "last" else f.sum(dim=0)  # [n]: the newest query's, or all
             for p, m in zip(keys.tolist(), mass.tolist()):
-                self.score[layer][h][p] += m
+                masses[h][p] = masses[h].get(p, 0.0) + m
+        if self.pooling == "layer":  # every kv-head of the layer holds the same positions
+            total = {p: sum(masses[h][p] for h in range(self.H)) for p in masses[0]}
+            masses = [dict(total) for _ in range(self.H)]
+        for h in range(self.H):
+            for p, m in masses[h].items():
+                self.score[layer][h][p] = m if self.window == "last" else self.score[layer][h][p] + m
         return out

@@ -1,8 +1,9 @@
 """Tensor parallelism on a real Ray cluster (gloo, float32): N shards give the same greedy
 tokens as one process and logits within 1e-4. stories260K (8 q / 4 kv heads) at TP = 2 and
 TP = 4; SmolLM2-135M-Instruct (9 q / 3 kv heads) at TP = 3. Every KV-budget policy at TP = 2
-gives the one-process tokens and eviction counts, and so does TP = 4 over 2 kv heads (replicas
-sum their scores). Sizes that do not fit the heads fail with a
+gives the one-process tokens and eviction counts (with the scoring options too: one selection
+per layer exchanges the kv-heads' scores across ranks), and so does TP = 4 over 2 kv heads
+(replicas sum their scores). Sizes that do not fit the heads fail with a
 message that names the dimension."""
 
 from __future__ import annotations
@@ -88,9 +89,15 @@ def _budgets_equal_one_process(model: str, tp: int, max_tokens: int, check_held:
     """Every policy, greedy and sampled, at ``tp`` against one process: tokens, log-probabilities
     and eviction counts (and the tokens held, with ``check_held``)."""
     prompts = [p * 3 for p in PROMPTS]  # long enough for 0.3 of it to evict many tokens
+    # (policy, kv_score_window, kv_score_pooling): the scoring options too -- one selection per
+    # layer needs every rank's kv-heads (engine/kv_budget/pooling.py: without the exchange each
+    # rank would pool its own heads only)
+    rules = [(policy, "all", "kv_head") for policy in ("window", "streaming_llm", "h2o", "keyformer")]
+    rules += [("h2o", "last", "layer"), ("keyformer", "all", "layer")]
     params = [SamplingParams(max_tokens=max_tokens, temperature=t, seed=s, ignore_eos=True, kv_policy=policy,
-                             kv_budget=budget, recent_ratio=0.3, logprobs=True)
-              for policy in ("window", "streaming_llm", "h2o", "keyformer")
+                             kv_budget=budget, recent_ratio=0.3, logprobs=True, kv_score_window=window,
+                             kv_score_pooling=pooling)
+              for policy, window, pooling in rules
               for t, s, budget in ((0.0, 3, 0.3), (0.8, 4, 12))]
     prompts = [prompts[i % len(prompts)] for i in range(len(params))]
     options = dict(num_blocks=NUM_BLOCKS * 2, block_size=8)

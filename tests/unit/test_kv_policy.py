@@ -599,3 +599,31 @@ def test_uneven_layers_below_the_budget_are_refused() -> None:
     state.append(3)
     with pytest.raises(RuntimeError, match="fewer tokens than the budget"):
         state.select_prompt()
+
+
+# ------------------------------------------------------------------ scoring options (TOVA's)
+def test_scoring_options_ride_on_the_budget_of_scoring_policies_only() -> None:
+    b = KVBudget.create("keyformer", 40, 0.25, score_window="last", score_pooling="layer")
+    assert (b.score_window, b.score_pooling, b.last_query_only, b.pools_layer) == ("last", "layer", True, True)
+    assert b.with_budget(20) == KVBudget.create("keyformer", 20, 0.25, "last", "layer")  # kept at another k
+    for policy in ("window", "streaming_llm"):  # no scores: the options mean nothing there
+        plain = KVBudget.create(policy, 40, 0.25, score_window="last", score_pooling="layer")
+        assert (plain.score_window, plain.score_pooling, plain.last_query_only, plain.pools_layer) == (
+            "all", "kv_head", False, False)
+    assert not KVBudget.create("h2o", 40).last_query_only  # the defaults are H2O's and Keyformer's own
+    with pytest.raises(ValueError, match="score_window"):
+        KVBudget.create("h2o", 40, score_window="first")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="score_pooling"):
+        KVBudget.create("h2o", 40, score_pooling="head")  # type: ignore[arg-type]
+
+
+def test_last_query_window_replaces_the_scores_instead_of_adding() -> None:
+    """``score_window="last"``: S is the newest forward's attention alone (TOVA); the default adds."""
+    first = torch.tensor([[[0.5, 0.2, 0.3]]])
+    second = torch.tensor([[[0.1, 0.6, 0.3]]])
+    for window, want in (("all", first + second), ("last", second)):
+        state = KVBudgetState(KVBudget.create("h2o", 8, 0.0, score_window=window), 1, 1)
+        state.append(3)
+        state.accumulate(first)
+        state.accumulate(second)
+        torch.testing.assert_close(state.scores, want)

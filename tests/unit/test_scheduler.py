@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keyserve.core.block_manager import BlockManager
+from keyserve.core.kv_policy import KVBudget
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.scheduler import Scheduler, SchedulerConfig, StepPlan
 from keyserve.core.sequence import Sequence, SequenceStatus
@@ -137,7 +138,9 @@ class FakeEngine:
             assert seq.status is SequenceStatus.RUNNING and seq in self.sched.running
             assert 1 <= item.num_new_tokens <= seq.num_uncomputed_tokens
             if not cfg.enable_chunked_prefill:  # whole, unless it can never fit one step
-                assert item.completes or seq.num_uncomputed_tokens > cfg.max_num_batched_tokens
+                held_back = seq.kv_budget is not None and seq.kv_budget.last_query_only and (
+                    item.num_new_tokens == seq.num_uncomputed_tokens - 1)  # its last token runs alone next
+                assert item.completes or held_back or seq.num_uncomputed_tokens > cfg.max_num_batched_tokens
             slots = seq.kv_slots_for(item.start + item.num_new_tokens)
             assert len(seq.block_table) == self.bm.blocks_for_slots(slots)
         for seq in plan.preempted:
@@ -416,6 +419,30 @@ def test_decode_and_prefill_classification() -> None:
     plan = eng.step()
     assert {i.seq for i in plan.decode} == {a, b} and not plan.prefill
     assert plan.num_tokens == 2
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_last_query_budget_gets_its_last_prompt_token_alone(chunked: bool) -> None:
+    """Under ``kv_score_window="last"`` the step that would finish a prompt holds its last token
+    back: that token runs alone next step (a decode row), so its attention alone scores the
+    prompt. Without chunked prefill too (the hold-back is not a chunk that waits); a prompt
+    that a step's budget splits anyway, and other sequences, are unchanged."""
+    eng = FakeEngine(num_blocks=64, block_size=4, max_num_batched_tokens=16, enable_chunked_prefill=chunked)
+    last = eng.add([1] * 7, max_tokens=3)[0]
+    last.kv_budget = KVBudget.create("keyformer", 4, 0.25, score_window="last")
+    plain = eng.add([2] * 5, max_tokens=3)[0]
+    plain.kv_budget = KVBudget.create("keyformer", 4, 0.25)  # the default window: no hold-back
+    plan = eng.step()
+    assert {(i.seq, i.num_new_tokens) for i in plan.prefill} == {(last, 6), (plain, 5)}
+    assert not last.output_token_ids and len(plain.output_token_ids) == 1
+    plan = eng.step()
+    assert (last, 1) in {(i.seq, i.num_new_tokens) for i in plan.decode} and len(last.output_token_ids) == 1
+    long = eng.add([3] * 40, max_tokens=2)[0]
+    long.kv_budget = KVBudget.create("h2o", 8, 0.25, score_window="last")
+    while len(long.output_token_ids) < 2:
+        eng.step()
+    steps = [n for h in eng.history for s, _, n in h if s is long]
+    assert sum(steps[:-2]) == 39 and steps[-2:] == [1, 1]  # chunks of 39, the last prompt token alone, a decode
 
 
 def test_remove_waiting_request_frees_nothing_twice() -> None:

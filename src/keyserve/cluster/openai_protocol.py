@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from keyserve.core.sampling_params import INT64_MAX, KVPolicyName, SamplingParams, TokenId
+from keyserve.types import ScorePooling, ScoreWindow
 
 MAX_LOGPROBS = 20  # completions' logprobs / chat's top_logprobs accepted (only 0 alternatives are returned)
 MAX_PROMPTS = 1024  # prompts in one completions request (each is one engine request)
@@ -68,6 +69,12 @@ class _SamplingFields(_Request):
     recent_ratio: _sp(float, "recent_ratio") | None = Field(
         None, description="Share of the KV budget kept recent."
     )
+    kv_score_window: ScoreWindow | None = Field(
+        None, description="H2O/Keyformer scores: 'all' queries' attention summed, or the 'last' query's only."
+    )
+    kv_score_pooling: ScorePooling | None = Field(
+        None, description="H2O/Keyformer: each 'kv_head' keeps its own tokens, or one set per 'layer'."
+    )
     speculative: bool | None = Field(None, description="Use the draft model (needs one loaded).")
     num_speculative_tokens: _sp(int, "num_speculative_tokens") | None = Field(
         None, description="Draft tokens per step (K)."
@@ -89,6 +96,7 @@ class _SamplingFields(_Request):
             seed=self.seed, stop=self.stop, top_k=self.top_k, min_p=self.min_p,
             ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
             kv_policy=self.kv_policy, kv_budget=self.kv_budget, recent_ratio=self.recent_ratio,
+            kv_score_window=self.kv_score_window, kv_score_pooling=self.kv_score_pooling,
             speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
             logprobs=logprobs,
         )

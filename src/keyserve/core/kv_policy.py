@@ -37,7 +37,13 @@ from typing import Literal, Sequence
 
 import torch
 
+from keyserve.types import ScorePooling, ScoreWindow
+
 ScoreModeName = Literal["softmax", "gumbel"]
+# Options of the scoring policies (H2O, Keyformer), after TOVA (docs/kv-budgets.md, "Scoring
+# options"): which queries' attention S holds, and whether the kv-heads of a layer choose alone.
+SCORE_WINDOWS: tuple[str, ...] = ("all", "last")
+SCORE_POOLINGS: tuple[str, ...] = ("kv_head", "layer")
 
 NUM_SINKS = 4  # StreamingLLM's attention sinks: positions 0..3
 _INT_MAX = torch.iinfo(torch.int64).max
@@ -83,12 +89,27 @@ class KVBudget:
     budget: int | None  # k; None = never evict (``full``)
     num_sinks: int = 0
     num_recent: int = 0
+    # Scoring policies only (the others keep the defaults): ``last`` replaces S with each
+    # forward's attention instead of adding it -- the engine then computes a prompt's last token
+    # in a step of its own, so S at prompt selection is the last prompt query's attention (TOVA's
+    # window); ``layer`` gives every kv-head of a layer the scores summed over all of them, so
+    # the layer keeps one set of tokens (TOVA's pooling; the runner sums across ranks).
+    score_window: ScoreWindow = "all"
+    score_pooling: ScorePooling = "kv_head"
+
+    def __post_init__(self) -> None:
+        if self.score_window not in SCORE_WINDOWS:
+            raise ValueError(f"score_window must be one of {SCORE_WINDOWS}, got {self.score_window!r}")
+        if self.score_pooling not in SCORE_POOLINGS:
+            raise ValueError(f"score_pooling must be one of {SCORE_POOLINGS}, got {self.score_pooling!r}")
 
     @classmethod
     def create(
-        cls, policy: KVPolicy | str, budget: int | None, recent_ratio: float = 0.3
+        cls, policy: KVPolicy | str, budget: int | None, recent_ratio: float = 0.3,
+        score_window: ScoreWindow = "all", score_pooling: ScorePooling = "kv_head",
     ) -> "KVBudget":
-        """StreamingLLM keeps min(4, k − 1) sinks so the new token always has a slot to take."""
+        """StreamingLLM keeps min(4, k − 1) sinks so the new token always has a slot to take.
+        The scoring options apply to H2O and Keyformer; the other policies ignore them."""
         policy = KVPolicy(policy)
         if policy is KVPolicy.FULL or budget is None:
             return cls(KVPolicy.FULL if budget is None else policy, None)
@@ -99,12 +120,21 @@ class KVBudget:
         if policy is KVPolicy.STREAMING_LLM:
             sinks = min(NUM_SINKS, budget - 1)
             return cls(policy, budget, sinks, budget - sinks)
-        return cls(policy, budget, 0, recent_window(budget, recent_ratio))
+        return cls(policy, budget, 0, recent_window(budget, recent_ratio), score_window, score_pooling)
 
     def with_budget(self, budget: int) -> "KVBudget":
-        """The same rule at another k (recent share kept)."""
+        """The same rule at another k (recent share and scoring options kept)."""
         ratio = self.num_recent / self.budget if self.budget else 0.0
-        return KVBudget.create(self.policy, budget, ratio)
+        return KVBudget.create(self.policy, budget, ratio, self.score_window, self.score_pooling)
+
+    @property
+    def last_query_only(self) -> bool:
+        """S is the newest query's attention (the prompt's last token gets a step of its own)."""
+        return self.by_score and self.score_window == "last"
+
+    @property
+    def pools_layer(self) -> bool:
+        return self.by_score and self.score_pooling == "layer"
 
     @property
     def by_score(self) -> bool:
@@ -380,14 +410,18 @@ class KVBudgetState:
         self,
         step_scores: torch.Tensor,  # [num_layers, num_kv_heads, >= num_slots] float
     ) -> None:
-        """S += this forward's attention mass (decode step or prefill chunk); padding beyond
-        the sequence's slots (batch-wide max context) is ignored."""
+        """S += this forward's attention mass (decode step or prefill chunk), or S = it under
+        ``score_window="last"``; padding beyond the sequence's slots (batch-wide max context)
+        is ignored."""
         if step_scores.shape[-1] < self.num_slots:
             raise ValueError(f"scores cover {step_scores.shape[-1]} < {self.num_slots} slots")
         add = step_scores[..., : self.num_slots].to(self.device, torch.float32)
         if self.layer_held is not None:  # a shorter layer's tail slots are empty
             add = add * (self.positions >= 0)
-        self.scores.add_(add)
+        if self.kv_budget.last_query_only:
+            self.scores.copy_(add)
+        else:
+            self.scores.add_(add)
 
     def restore(
         self,

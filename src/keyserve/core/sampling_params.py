@@ -12,7 +12,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from keyserve.types import KVPolicyName
+from keyserve.types import KVPolicyName, ScorePooling, ScoreWindow
 
 INT64_MAX = 2**63 - 1
 MAX_STOP_STRINGS = 64  # stop strings per request
@@ -62,6 +62,14 @@ class SamplingParams(BaseModel):
     recent_ratio: float = Field(0.3, ge=0.0, le=1.0, description="Share of the budget kept recent.")
     tau_init: float = Field(1.0, gt=0.0, le=100.0, description="Keyformer's initial Gumbel temperature.")
     tau_end: float = Field(2.0, gt=0.0, le=100.0, description="Keyformer's final Gumbel temperature.")
+    kv_score_window: ScoreWindow = Field(
+        "all", description="H2O/Keyformer: 'all' sums every query's attention into a token's score; "
+        "'last' scores by the newest query's attention only (TOVA's window)."
+    )
+    kv_score_pooling: ScorePooling = Field(
+        "kv_head", description="H2O/Keyformer: 'kv_head' lets each kv-head keep its own tokens; "
+        "'layer' keeps one set per layer, by the scores summed over its kv-heads (TOVA's pooling)."
+    )
 
     # Speculative sampling (docs/algorithms.md §3).
     speculative: bool | None = Field(

@@ -80,6 +80,17 @@ def _priority(seq: Sequence) -> tuple[float, int]:
     return (seq.arrival, seq.seq_id)
 
 
+def _hold_back_last(seq: Sequence, n: int, uncomputed: int) -> int:
+    """A step's token count for ``seq``, less its last token when the step would finish a prompt
+    of a budget that scores by the newest query only (``KVBudget.last_query_only``): that token
+    then runs in a step of its own, and its attention alone scores the prompt before prompt-phase
+    selection (TOVA's window), with no kernel returning one row's scores out of a chunk."""
+    budget = seq.kv_budget
+    if n == uncomputed > 1 and budget is not None and budget.last_query_only:
+        return n - 1
+    return n
+
+
 def _seats(seq: Sequence) -> int:
     """Seats a sequence will occupy: a first sample that has not produced a token yet will
     fork its n - 1 siblings into the running set."""
@@ -132,6 +143,7 @@ class Scheduler:
             n = min(uncomputed, budget)
             if n < uncomputed and self._wait_for_whole(uncomputed, n):
                 break
+            n = _hold_back_last(seq, n, uncomputed)
             if n <= 0:
                 i += 1
                 continue
@@ -178,6 +190,7 @@ class Scheduler:
             uncomputed = seq.num_uncomputed_tokens - len(cached) * bm.block_size
             n = min(uncomputed, budget)
             waits = self._wait_for_whole(uncomputed, n)
+            n = _hold_back_last(seq, n, uncomputed)
             copies = None if waits else bm.allocate_slots(seq, n, cached)
             if copies is None:
                 if self.prefix_loader is not None:

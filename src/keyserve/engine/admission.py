@@ -18,7 +18,7 @@ from typing import Any, get_args
 
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.engine.errors import InvalidParamError
-from keyserve.types import KVPolicyName
+from keyserve.types import KVPolicyName, ScorePooling, ScoreWindow
 
 SEED_RANGE = 2**63  # seeds are reduced into [0, 2**63) (a torch.Generator takes 64 bits)
 MAX_SPECULATIVE_TOKENS = 16  # the engine's K is at most this (config.SpeculativeConfig)
@@ -26,6 +26,8 @@ MAX_TEMPERATURE = 1e4  # beyond this every token is equally likely; larger only 
 MAX_TAU = 1e4
 INT64_MAX = 2**63 - 1
 _POLICIES = frozenset(get_args(KVPolicyName))
+_SCORE_WINDOWS: tuple[str, ...] = get_args(ScoreWindow)
+_SCORE_POOLINGS: tuple[str, ...] = get_args(ScorePooling)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,10 @@ def _budget(p: SamplingParams, limits: EngineLimits, update: dict[str, Any]) -> 
         raise InvalidParamError(
             f"kv_policy must be one of {', '.join(sorted(_POLICIES))}, got {_show(p.kv_policy)}", "kv_policy"
         )
+    for name, allowed in (("kv_score_window", _SCORE_WINDOWS), ("kv_score_pooling", _SCORE_POOLINGS)):
+        value = getattr(p, name)
+        if not isinstance(value, str) or value not in allowed:
+            raise InvalidParamError(f"{name} must be one of {', '.join(allowed)}, got {_show(value)}", name)
     _real(p.recent_ratio, "recent_ratio", 0.0, 1.0)
     tau_init = _real(p.tau_init, "tau_init", 0.0, MAX_TAU, low_open=True)
     tau_end = _real(p.tau_end, "tau_end", 0.0, MAX_TAU, low_open=True)

@@ -25,6 +25,7 @@ from keyserve.core.sampler import SamplingTensors, make_generator, sample
 from keyserve.core.spec_decode import verify_drafts
 from keyserve.engine.cuda_graphs import DecodeGraphs
 from keyserve.engine.kv_budget.compaction import apply_compact, apply_settle
+from keyserve.engine.kv_budget.pooling import pool_over_layer
 from keyserve.engine.kv_budget.replicas import sum_over_replicas
 from keyserve.engine.kv_budget.slots import AttentionRows, ScoreRows, SlotPlanner
 from keyserve.engine.kv_budget.tracker import KVBudgetTracker
@@ -302,6 +303,7 @@ class ModelRunner:
             rows.extend(range(end - count + 1, end + 1))
         all_logits, scores = self.forward_logits(inputs, rows)  # Keyformer's noise: meta.noise_keys
         scores = sum_over_replicas(scores, self.model.tp, self.model.config.num_key_value_heads)
+        scores = pool_over_layer(scores, inputs.score_rows, self.model.tp, self.model.config.num_key_value_heads)
         self.budget.accumulate_step(inputs.score_rows, scores, failed)
         if not self.is_driver:
             return out

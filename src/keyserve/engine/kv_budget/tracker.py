@@ -155,7 +155,9 @@ class KVBudgetTracker:
         state = self.states[seq.seq_id]
         first_position, rows = self.pending.pop(seq.seq_id, (0, None))
         if rows is not None and num_tokens > first_position:
-            state.accumulate(rows[: num_tokens - first_position].sum(dim=0))
+            accepted = rows[: num_tokens - first_position]  # [accepted + 1, L, H, max_ctx]
+            # the newest accepted query's attention alone under score_window="last"
+            state.accumulate(accepted[-1] if state.kv_budget.last_query_only else accepted.sum(dim=0))
         held = state.num_slots
         kept = state.rollback(num_tokens)  # [L, H, n1]: indices into the old slots
         keep = kept.gather(-1, state.evict_down_to())  # evict_down_to indexes the rolled-back slots
