@@ -47,6 +47,14 @@ from keyserve.core.sequence import FinishReason  # noqa: E402
 JSON_PATH = ROOT / "docs" / "kv_quality.json"
 PLOT_PATH = ROOT / "docs" / "kv_quality_rouge2.png"
 POLICIES = ["window", "streaming_llm", "h2o", "keyformer"]
+# The scoring options as named variants (``--policies``; not run by default): TOVA's window (S =
+# the newest query's attention) and pooling (one selection per layer), alone and together.
+VARIANTS: dict[str, tuple[str, str, str]] = {
+    "keyformer_last": ("keyformer", "last", "kv_head"),
+    "keyformer_layer": ("keyformer", "all", "layer"),
+    "keyformer_tova": ("keyformer", "last", "layer"),
+    "h2o_tova": ("h2o", "last", "layer"),
+}
 BUDGETS = [0.2, 0.3, 0.5, 0.7, 0.9]
 INSTRUCTION = "Summarize the following text in a few sentences.\n\n"
 NOTE = ""  # --note: how a run was made (rendered with its part)
@@ -66,7 +74,9 @@ def kv_bytes_per_token(llm: LLM) -> int:
 def params_for(policy: str, budget: float | None, recent_ratio: float, **kw: Any) -> SamplingParams:
     if policy == "full":
         return SamplingParams(temperature=0.0, kv_policy="full", **kw)
-    return SamplingParams(temperature=0.0, kv_policy=policy, kv_budget=budget, recent_ratio=recent_ratio, **kw)
+    base, window, pooling = VARIANTS.get(policy, (policy, "all", "kv_head"))
+    return SamplingParams(temperature=0.0, kv_policy=base, kv_budget=budget, recent_ratio=recent_ratio,
+                          kv_score_window=window, kv_score_pooling=pooling, **kw)
 
 
 def run_engine(llm: LLM, ids: list[str], desc: str) -> dict[str, Any]:
@@ -210,7 +220,7 @@ def run_quality(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any
     plist = [prompts[d] for d in names]
     full = collect(runs["full"], names)
     q["configs"] = {"full": summarize_config(full, full, plist, None, bpt, scorer)}
-    for name in [key(p, b) for p in args.policies for b in args.budgets]:
+    for name in [key(p, b) for p in POLICIES + list(VARIANTS) for b in BUDGETS]:  # every complete one
         if all("token_ids" in runs.get(name, {}).get(d, {}) for d in names):
             budget = float(name.split("@")[1])
             q["configs"][name] = summarize_config(collect(runs[name], names), full, plist, budget, bpt, scorer)
@@ -602,7 +612,7 @@ def main() -> None:
     ap.add_argument("--ppl-budgets", type=float, nargs="*", default=None,
                     help="budgets at which to teacher-force the perplexity (default: all)")
     ap.add_argument("--no-ppl", action="store_true", help="skip the teacher-forced perplexity")
-    ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES)
+    ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES + list(VARIANTS))
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--recent-ratio", type=float, default=0.3)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -36,7 +36,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.kv_quality import BUDGETS, INSTRUCTION, POLICIES  # noqa: E402
+from bench.kv_quality import BUDGETS, INSTRUCTION, POLICIES, VARIANTS  # noqa: E402
 from bench.peers import kvpress_env  # noqa: E402
 from bench.report import command_line, machine_description, markdown_table, update_section  # noqa: E402
 
@@ -173,20 +173,21 @@ def render(rep: dict[str, Any]) -> str:
     d_lp = markdown_table(["log-PPL difference"] + [f"{b * 100:g} %" for b in budgets], ldiffs)
     # Target: Keyformer at least as good as the best press at every budget >= 30 %.
     checks = []
-    for b in [x for x in budgets if x >= 0.3]:
-        kf = cfg.get(key("keyformer", b))
+    keyformers = [m for m in rep["keyserve"] if m == "keyformer" or VARIANTS.get(m, ("",))[0] == "keyformer"]
+    for b, kf_name in [(x, m) for x in budgets if x >= 0.3 for m in keyformers]:
+        kf = cfg.get(key(kf_name, b))
         pr = [(m, cfg[key(m, b)]) for m in rep["presses"]
               if key(m, b) in cfg and m[len(PREFIX):] not in ABLATIONS]  # the field's presses only
         if not kf or not pr:
             continue
         best_r2 = max(pr, key=lambda x: x[1]["rouge2_mean"])
         ok_r2 = kf["rouge2_mean"] >= best_r2[1]["rouge2_mean"]
-        line = (f"{b * 100:g} %: ROUGE-2 keyformer {kf['rouge2_mean']:.3f} vs best press {label(best_r2[0])} "
+        line = (f"{b * 100:g} %: ROUGE-2 {kf_name} {kf['rouge2_mean']:.3f} vs best press {label(best_r2[0])} "
                 f"{best_r2[1]['rouge2_mean']:.3f} ({'met' if ok_r2 else 'MISSED'})")
         if "ppl_change" in kf and all("ppl_change" in c for _, c in pr):
             best_pp = min(pr, key=lambda x: x[1]["ppl_change"])
             ok_pp = kf["ppl_change"] <= best_pp[1]["ppl_change"]
-            line += (f"; PPL keyformer {kf['ppl_change'] * 100:+.1f} % vs best press {label(best_pp[0])} "
+            line += (f"; PPL {kf_name} {kf['ppl_change'] * 100:+.1f} % vs best press {label(best_pp[0])} "
                      f"{best_pp[1]['ppl_change'] * 100:+.1f} % ({'met' if ok_pp else 'MISSED'})")
         checks.append(line)
     none = rep.get("none_check")
@@ -317,7 +318,7 @@ def main() -> None:
             "nll": [full_runs[d]["nll"] for d in names], "counts": [len(full_runs[d]["token_ids"]) for d in names]}
     full["ppl"] = math.exp(sum(full["nll"]) / sum(full["counts"]))
     configs: dict[str, Any] = {}
-    for p in POLICIES:
+    for p in POLICIES + list(VARIANTS):  # the scoring options' variants where they were run
         for b in budgets:
             runs = ks["runs"].get(key(p, b), {})
             if all(d in runs and "token_ids" in runs[d] for d in names):
@@ -347,7 +348,7 @@ def main() -> None:
            "kvpress_version": versions[0] if versions else "?",
            "transformers_version": versions[1] if len(versions) > 1 else "?",
            "max_new_tokens": args.max_new_tokens,
-           "budgets": sorted(b for b in budgets if any(key(PREFIX + m, b) in configs for m in args.presses)), "keyserve": POLICIES,
+           "budgets": sorted(b for b in budgets if any(key(PREFIX + m, b) in configs for m in args.presses)), "keyserve": [p for p in POLICIES + list(VARIANTS) if any(key(p, b) in configs for b in budgets)],
            "presses": [PREFIX + p for p in args.presses], "docs": [{"name": d, "prompt_tokens": len(prompts[d])} for d in names],
            "configs": configs, "none_check": none_check}
     body = render(rep)
