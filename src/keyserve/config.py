@@ -133,6 +133,11 @@ class SpeculativeConfig(_Strict):
     speculative_by_default: bool = Field(
         True, description="Requests that do not say use speculation when a draft is loaded."
     )
+    draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="The draft's weights and KV cache. auto: bfloat16 for a float32 target on "
+        "the CPU where the native kernels are built (a draft forward streams half the bytes; the "
+        "output stays the target's), else the target's dtype.",
+    )
     draft_kv_policy: KVPolicyName = Field(
         "full", description="KV policy of the draft's own cache (a cheaper draft; output stays exact)."
     )

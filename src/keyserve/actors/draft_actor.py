@@ -40,6 +40,7 @@ class DraftActorArgs:
     budget: DraftBudget = field(default_factory=DraftBudget)  # the draft's own KV budget
     graph_rows: int = 0  # CUDA graphs of its decode steps (build.build_drafter)
     max_model_len: int | None = None
+    draft_dtype: str = "auto"  # SpeculativeConfig.draft_dtype (build.resolve_draft_dtype)
 
 
 @dataclass
@@ -74,7 +75,7 @@ class DraftActor:
     def __init__(self, args: DraftActorArgs) -> None:
         torch.manual_seed(args.seed)
         device = build.resolve_device(args.device)
-        dtype = build.resolve_dtype(args.dtype, device.type)
+        dtype = build.resolve_draft_dtype(args.draft_dtype, build.resolve_dtype(args.dtype, device.type), device.type)
         target = build.draft_target(args.target_dir, dtype, device)
         self.worker, self.weight_bytes = build.build_drafter(
             args.draft, args.budget, target, args.num_blocks, args.block_size, dtype, device,

@@ -94,7 +94,7 @@ class RayEngine(LLMEngine):
             self.drafter_client = RemoteDrafter(
                 DraftActorArgs(config.spec.draft, str(model_dir), config.model.dtype, config.model.device,
                                num_blocks, block_size, config.seed, draft_budget(config.spec),
-                               graph_rows=rows, max_model_len=max_model_len),
+                               graph_rows=rows, max_model_len=max_model_len, draft_dtype=config.spec.draft_dtype),
                 par, gpus,
             )
             cost = build.draft_cost_ratio(config.spec, self.drafter_client.weight_bytes, self.group.weight_bytes)

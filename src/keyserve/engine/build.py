@@ -73,6 +73,22 @@ def resolve_dtype(name: str, device_type: str) -> torch.dtype:
     return dtype
 
 
+def resolve_draft_dtype(name: str, target_dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The draft's dtype (``SpeculativeConfig.draft_dtype``). ``auto``: bfloat16 under a float32
+    target on the CPU when the native kernels are built -- a draft forward is bound by the bytes
+    it streams, and bf16 halves them (measured at batch 1, K = 1: 1.01x -> 1.08x plain decoding
+    at T = 0, the same acceptance) while speculative sampling stays exact whatever the draft
+    computes in; without the native kernels torch's bf16 CPU path is slower, so the target's."""
+    if name != "auto":
+        return resolve_dtype(name, device_type)
+    if target_dtype is torch.float32 and device_type == "cpu":
+        from keyserve.kernels.native import library
+
+        if library() is not None:
+            return torch.bfloat16
+    return target_dtype
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -285,7 +301,8 @@ def build_local_parts(config: EngineConfig, loaded: LoadedModel | None = None) -
     speculative = None
     if config.spec.draft is not None:
         drafter, draft_bytes = build_drafter(
-            config.spec.draft, draft_budget(config.spec), loaded, num_blocks, block_size, dtype, device,
+            config.spec.draft, draft_budget(config.spec), loaded, num_blocks, block_size,
+            resolve_draft_dtype(config.spec.draft_dtype, dtype, device.type), device,
             graph_rows=rows, max_model_len=max_model_len,
         )
         cost = draft_cost_ratio(config.spec, draft_bytes, weight_bytes(loaded.model))
