@@ -71,7 +71,7 @@ def test_a_draft_that_starts_agreeing_is_picked_up_again() -> None:
     next time it turns off it probes soon. Mutation caught: the reset
     ``self._interval = self._countdown = self.min_interval`` dropped (after a long off spell
     the next one would wait the old, long interval)."""
-    ak = AdaptiveK(k_min=0, k_max=4, prior_alpha=0.05, probe_k=1, min_interval=2, max_interval=64)
+    ak = AdaptiveK(k_min=0, k_max=4, prior_alpha=0.05, prior_weight=1.0, probe_k=1, min_interval=2, max_interval=64)
     cost = lambda k: 1.0 + 0.3 * k  # noqa: E731  pays from α ≈ 0.3
     for _ in range(100):  # a long off spell: the interval grows to the cap
         if ak.choose(cost):
@@ -113,3 +113,21 @@ def test_leaving_k0_needs_a_margin_staying_does_not() -> None:
     assert ak.choose() == 0  # 1.03x does not clear the 5 % margin from 0
     assert ak.choose(lambda k: 1.0 + 0.1 * k) > 0  # a clear gain leaves 0
     assert ak.choose() == 1  # and 1.03x keeps a running K
+
+
+def test_the_prior_keeps_its_weight() -> None:
+    """A sequence's α is held toward its prior (the engine's acceptance) by ``prior_weight``
+    trials that never decay: a short run of rejections at an engine-wide α of 0.35 does not
+    switch it off, a long one does. Mutation caught: the prior folded into the decayed counts
+    (the old rule): after 6 rejected steps α falls to ~0.09 and K goes to 0."""
+    cost = lambda k: 1.0 + 0.2 * k  # noqa: E731  K = 1 pays from α = 0.2 (1.2 / 1.2)
+    ak = AdaptiveK(k_min=0, k_max=2, prior_alpha=0.35, prior_weight=8.0)
+    assert ak.choose(cost) > 0
+    for _ in range(6):
+        ak.observe([1], [0])
+    assert ak.alpha == pytest.approx(0.35 * 8 / (8 + sum(0.9**i for i in range(6))))
+    assert ak.alpha > 0.2 and ak.choose(cost) > 0
+    for _ in range(60):
+        ak.observe([2], [0])
+    assert ak.alpha < 0.2 and ak.choose(cost) == 0
+

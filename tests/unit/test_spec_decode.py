@@ -272,9 +272,10 @@ def test_adaptive_k() -> None:
     for _ in range(60):  # everything accepted -> α → 1 -> the largest K
         ak.observe(torch.full((8,), 4), torch.full((8,), 4))
     assert ak.alpha > 0.99 and ak.choose() == 8
-    for _ in range(60):  # everything rejected -> α → 0 -> the smallest K
+    for _ in range(60):  # everything rejected -> α → 0 (but for the prior's 8 trials) -> the smallest K
         ak.observe(4, torch.zeros(8, dtype=torch.long))
-    assert ak.alpha < 0.01 and ak.choose() == 1
+    assert ak.alpha < 0.1
+    assert ak.choose() == 1
     off = AdaptiveK(k_min=0, k_max=6, cost_ratio=0.5, prior_alpha=0.3)
     assert off.choose() == 0  # α < c: speculation does not pay
     # A costly draft prefers a smaller K than a cheap one at the same α.

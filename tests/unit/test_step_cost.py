@@ -35,7 +35,7 @@ def test_decayed_mean_matches_weighted_oracle() -> None:
     weight still decayed the mean is wrong; with both undecayed it would be the plain mean,
     16.7 ms here, far from the oracle's)."""
     decay = 0.8
-    m = StepCostModel(prior_cost_ratio=0.1, decay=decay)
+    m = StepCostModel(prior_cost_ratio=0.1, decay=decay, max_jump=float("inf"))  # no clip: the mean alone
     xs = [0.010] * 5 + [0.020] * 10
     for x in xs:
         m.record(1, 0, x)
@@ -110,3 +110,19 @@ def test_bad_arguments() -> None:
     m = StepCostModel(prior_cost_ratio=0.1)
     m.record(1, 0, -1.0)  # a clock that went backwards is ignored
     assert m.estimates(1) == {}
+
+
+def test_a_one_off_stall_is_clipped() -> None:
+    """Once a K has its samples, a step slower than 1.25x its mean counts as 1.25x: one 3x
+    stall moves cost(1)/cost(0) from 1.25 to ~1.34, not to ~2.0, while a lasting change still
+    moves it within a few steps. Mutation caught: the clip dropped (~2.0 after the stall)."""
+    m = StepCostModel(prior_cost_ratio=0.1, decay=0.8)
+    for _ in range(4):
+        m.record(1, 0, 0.020)
+        m.record(1, 1, 0.025)
+    assert m.relative_cost(1, 1) == pytest.approx(1.25)
+    m.record(1, 1, 0.075)  # a stall
+    assert m.relative_cost(1, 1) < 1.36
+    for _ in range(12):  # the step really got dearer
+        m.record(1, 1, 0.040)
+    assert m.relative_cost(1, 1) > 1.9

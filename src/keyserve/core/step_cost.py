@@ -54,7 +54,7 @@ class StepCostModel:
     """Online cost(K, batch) / cost(0, batch) from the engine's own step times (module doc)."""
 
     def __init__(self, prior_cost_ratio: float, decay: float = 0.8, min_samples: int = 2,
-                 min_interval: int = 16, max_interval: int = 1024) -> None:
+                 min_interval: int = 16, max_interval: int = 1024, max_jump: float = 1.25) -> None:
         if not prior_cost_ratio >= 0:
             raise ValueError("prior_cost_ratio must be >= 0")
         if not 0.0 <= decay < 1.0:
@@ -63,6 +63,11 @@ class StepCostModel:
             raise ValueError("need 1 <= min_interval <= max_interval")
         self.prior_cost_ratio, self.decay, self.min_samples = prior_cost_ratio, decay, max(1, min_samples)
         self.min_interval, self.max_interval = min_interval, max_interval
+        # A step slower than max_jump x its mean counts as max_jump x: unclipped, at decay 0.8
+        # one 3x stall of a speculative step raised its relative cost from 1.25 to ~2.0 and sent
+        # sequences to K = 0 for dozens of steps (batch 1, 2 cores; probes back off); clipped,
+        # to ~1.34, while a lasting change still moves the mean within a few steps.
+        self.max_jump = max_jump
         self._buckets: dict[int, _Bucket] = {}
 
     @staticmethod
@@ -83,7 +88,10 @@ class StepCostModel:
         if seconds <= 0 or batch < 1 or k < 0:
             return
         b = self._bucket(batch)
-        b.means.setdefault(k, _Mean()).add(seconds, self.decay)
+        mean = b.means.setdefault(k, _Mean())
+        if mean.count >= self.min_samples:  # a one-off stall (GC, another process) counts as max_jump x
+            seconds = min(seconds, self.max_jump * mean.value)
+        mean.add(seconds, self.decay)
         if k == 0:
             if b.since_plain >= b.interval:  # a refresh was due: space the next one out further
                 b.interval = min(2 * b.interval, self.max_interval)

@@ -47,7 +47,7 @@ class SpeculativeDecoder:
         # fixed optimistic prior (0.7) sent every request's first steps to K = 3 with a draft
         # accepted ~0.3 of the time, which cost more than the rest of a short answer gained
         # (batch 1, T = 0.8, 64 tokens: adaptive 0.96x plain while fixed K = 1 made 1.01x).
-        self._engine_alpha = AdaptiveK(k_min=0, k_max=0, decay=0.995)
+        self._engine_alpha = AdaptiveK(k_min=0, k_max=0, decay=0.995, prior_weight=0.0)  # its own drafts only
         # This step's cost says nothing steady about K: a sequence drafts after not drafting
         # (the draft catches up on its prompt or on what it missed) or probes.
         self._unsettled = False
