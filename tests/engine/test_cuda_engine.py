@@ -67,11 +67,14 @@ def test_chunked_prefill_and_prefix_cache_equal_cpu(cpu: LLM, gpu: LLM) -> None:
     _same(a, b)
 
 
-@pytest.mark.parametrize("policy", ["window", "streaming_llm", "h2o"])
-def test_kv_budgets_equal_cpu(cpu: LLM, gpu: LLM, policy: str) -> None:
+@pytest.mark.parametrize(("policy", "window", "pooling"), [
+    ("window", "all", "kv_head"), ("streaming_llm", "all", "kv_head"), ("h2o", "all", "kv_head"),
+    ("h2o", "last", "layer"), ("h2o", "all", "layer"), ("h2o", "last", "kv_head")])
+def test_kv_budgets_equal_cpu(cpu: LLM, gpu: LLM, policy: str, window: str, pooling: str) -> None:
     """Deterministic policies pick the same victims from the Triton kernels' scores as from the
-    CPU path's, so the tokens match."""
-    params = _greedy(kv_policy=policy, kv_budget=24, max_tokens=40)
+    CPU path's, so the tokens match; with H2O's scoring options too (the prompt's last token in
+    a step of its own, scores pooled per layer on the device)."""
+    params = _greedy(kv_policy=policy, kv_budget=24, max_tokens=40, kv_score_window=window, kv_score_pooling=pooling)
     for a, b in zip(gpu.generate(PROMPTS[:3], params), cpu.generate(PROMPTS[:3], params)):
         assert a.stats.kv_tokens_held == b.stats.kv_tokens_held == 24
         assert a.token_ids == b.token_ids
