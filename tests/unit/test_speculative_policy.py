@@ -80,8 +80,10 @@ def test_new_sequences_start_from_the_engines_acceptance() -> None:
     from a fixed optimistic prior. With a measured K-step cost of 1 + 0.25·K: at the default
     prior (0.7) a new sequence drafts 2 (2.19 tokens per 1.5 cost); after 40 verifications
     accepted 30 % of the time a new one drafts 1 (1.30 tokens per 1.25 beats 1.39 per 1.5).
-    Mutation caught: the new AdaptiveK built without ``prior_alpha=self.prior_alpha()`` (it
-    drafts 2 again)."""
+    The sequence that started at the default prior follows the engine too (its prior is the
+    engine's acceptance at every step). Mutations caught: ``adaptive.prior_alpha =
+    self.prior_alpha()`` dropped from ``lookahead`` (both the fresh and the running sequence
+    draft 2 again)."""
     policy, seqs = _policy(k=4), _seqs(1)
     for _ in range(2):
         policy.lookaheads(seqs, MAX_LEN)
@@ -97,3 +99,4 @@ def test_new_sequences_start_from_the_engines_acceptance() -> None:
     fresh = _seqs(2)[1]
     fresh.seq_id = 12345
     assert policy.lookaheads([fresh], MAX_LEN)[fresh.seq_id] == 1
+    assert policy.lookaheads(seqs, MAX_LEN)[seqs[0].seq_id] == 1  # the one started at 0.7 too

@@ -65,9 +65,12 @@ class SpeculativeDecoder:
         if self.config.adaptive_k:
             adaptive = self._adaptive.get(seq.seq_id)
             if adaptive is None:
-                adaptive = self._adaptive[seq.seq_id] = AdaptiveK(
-                    k_min=0, k_max=k, cost_ratio=self.cost_ratio, prior_alpha=self.prior_alpha()
-                )
+                adaptive = self._adaptive[seq.seq_id] = AdaptiveK(k_min=0, k_max=k, cost_ratio=self.cost_ratio)
+            # The prior is the engine's acceptance *now*, not when the sequence started: the
+            # first sequences of a cold engine started from the default 0.7 and, the prior
+            # keeping its weight, kept drafting at batch 8 (0.70x plain) after the engine had
+            # seen the draft accepted ~0.3 of the time.
+            adaptive.prior_alpha = self.prior_alpha()
             k = adaptive.choose(lambda kk: self.costs.relative_cost(kk, batch))
             if k and (adaptive.last_was_probe or not self._last_k.get(seq.seq_id)):
                 self._unsettled = True
