@@ -15,8 +15,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from keyserve.core.sampling_params import INT64_MAX, KVPolicyName, SamplingParams, TokenId
-from keyserve.types import ScorePooling, ScoreWindow
+from keyserve.core.sampling_params import (
+    INT64_MAX,
+    KVPolicyName,
+    SamplingParams,
+    ScorePooling,
+    ScoreWindow,
+    TokenId,
+)
 
 MAX_LOGPROBS = 20  # completions' logprobs / chat's top_logprobs accepted (only 0 alternatives are returned)
 MAX_PROMPTS = 1024  # prompts in one completions request (each is one engine request)

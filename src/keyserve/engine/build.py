@@ -38,6 +38,7 @@ from keyserve.engine.malloc_tuning import tune_malloc
 from keyserve.engine.model_runner import ModelRunner
 from keyserve.engine.prefix_store import EnginePrefixStore
 from keyserve.engine.speculative import SpeculativeDecoder
+from keyserve.kernels import native
 from keyserve.model.config import ModelConfig
 from keyserve.model.draft_model import load_draft
 from keyserve.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
@@ -81,11 +82,8 @@ def resolve_draft_dtype(name: str, target_dtype: torch.dtype, device_type: str) 
     computes in; without the native kernels torch's bf16 CPU path is slower, so the target's."""
     if name != "auto":
         return resolve_dtype(name, device_type)
-    if target_dtype is torch.float32 and device_type == "cpu":
-        from keyserve.kernels.native import library
-
-        if library() is not None:
-            return torch.bfloat16
+    if target_dtype is torch.float32 and device_type == "cpu" and native.library() is not None:
+        return torch.bfloat16
     return target_dtype
 
 
