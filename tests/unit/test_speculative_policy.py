@@ -17,7 +17,7 @@ MAX_LEN = 10_000
 def _seqs(n: int) -> list[Sequence]:
     out = []
     for i in range(n):
-        seq = Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1000))
+        seq = Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1000, temperature=0.0))  # greedy, as the costs below
         seq.output_token_ids.append(5)  # decoding
         out.append(seq)
     return out

@@ -126,3 +126,20 @@ def test_a_one_off_stall_is_clipped() -> None:
     for _ in range(12):  # the step really got dearer
         m.record(1, 1, 0.040)
     assert m.relative_cost(1, 1) > 1.9
+
+
+def test_greedy_and_sampled_steps_keep_their_own_baselines() -> None:
+    """A sampled plain step (softmax, top-p over the vocabulary per row) costs more than a
+    greedy one; each kind divides by its own baseline, so a sampled baseline never makes greedy
+    speculation look cheap. Mutation caught: the ``sampled`` part of the bucket key dropped
+    (greedy K = 2 reads 38/30.7 = 1.24x instead of 38/24 = 1.58x)."""
+    m = StepCostModel(prior_cost_ratio=0.1)
+    for _ in range(3):
+        m.record(8, 0, 0.024)
+        m.record(8, 2, 0.038)
+        m.record(8, 0, 0.035, sampled=True)
+        m.record(8, 2, 0.050, sampled=True)
+    assert m.relative_cost(2, 8) == pytest.approx(0.038 / 0.024)
+    assert m.relative_cost(2, 8, sampled=True) == pytest.approx(0.050 / 0.035)
+    assert m.estimates(8) == {0: pytest.approx(0.024), 2: pytest.approx(0.038)}
+    assert not m.wants_plain(8) and m.wants_plain(4, sampled=True)

@@ -5,7 +5,12 @@ wrong where it matters: at batch 8 the target's K extra rows per sequence are no
 speculative step has costs of its own (draft step overhead, verification, rollback). So the
 engine times its decode steps and reports (batch, K, seconds) here; this model keeps an
 exponentially decayed mean step time per batch-size bucket (1, 2, 3-4, 5-8, ...) and per K, and
-answers ``relative_cost(K, batch)`` = cost(K) / cost(0) at that bucket.
+answers ``relative_cost(K, batch)`` = cost(K) / cost(0) at that bucket. Greedy steps and steps
+that sample (any row at T > 0) are kept apart (``sampled``): a sampled step pays softmax and
+top-k/top-p over the vocabulary per row, so at batch 8 its plain steps cost ~35 ms against
+~24 ms greedy, and a baseline mixed from both, as a server with mixed traffic (or a bench
+alternating temperatures) would feed it, read greedy speculation at 1.25x plain where it
+costs ~1.9x, and adaptive K kept drafting at 0.72x plain decoding.
 
 Where a K has no measurement yet, a line through the measured Ks of the same bucket
 (``1 + slope·K``, least squares through (0, 1)) stands in; where the bucket has no plain or no
@@ -68,26 +73,27 @@ class StepCostModel:
         # sequences to K = 0 for dozens of steps (batch 1, 2 cores; probes back off); clipped,
         # to ~1.34, while a lasting change still moves the mean within a few steps.
         self.max_jump = max_jump
-        self._buckets: dict[int, _Bucket] = {}
+        self._buckets: dict[tuple[int, bool], _Bucket] = {}  # (batch bucket, sampled) -> means
 
     @staticmethod
     def bucket_of(batch: int) -> int:
         """1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ...: the step cost grows with the rows it carries."""
         return max(batch - 1, 0).bit_length()
 
-    def _bucket(self, batch: int) -> _Bucket:
-        key = self.bucket_of(batch)
+    def _bucket(self, batch: int, sampled: bool) -> _Bucket:
+        key = (self.bucket_of(batch), sampled)
         b = self._buckets.get(key)
         if b is None:
             b = self._buckets[key] = _Bucket(interval=self.min_interval)
         return b
 
-    def record(self, batch: int, k: int, seconds: float) -> None:
+    def record(self, batch: int, k: int, seconds: float, sampled: bool = False) -> None:
         """One decode step of ``batch`` sequences drafting up to ``k`` each (0: plain) took
-        ``seconds``, all of it: draft, target, verification and bookkeeping."""
+        ``seconds``, all of it: draft, target, verification and bookkeeping; ``sampled``: some
+        row of it sampled (T > 0)."""
         if seconds <= 0 or batch < 1 or k < 0:
             return
-        b = self._bucket(batch)
+        b = self._bucket(batch, sampled)
         mean = b.means.setdefault(k, _Mean())
         if mean.count >= self.min_samples:  # a one-off stall (GC, another process) counts as max_jump x
             seconds = min(seconds, self.max_jump * mean.value)
@@ -103,13 +109,13 @@ class StepCostModel:
         m = b.means.get(k)
         return m.value if m is not None and m.count >= self.min_samples else None
 
-    def relative_cost(self, k: int, batch: int) -> float:
+    def relative_cost(self, k: int, batch: int, sampled: bool = False) -> float:
         """cost(K) / cost(0) for a step of ``batch`` sequences; at least 1 (speculation never
         makes a step cheaper; a lower measurement is noise)."""
         if k <= 0:
             return 1.0
         prior = 1.0 + self.prior_cost_ratio * k
-        b = self._buckets.get(self.bucket_of(batch))
+        b = self._buckets.get((self.bucket_of(batch), sampled))
         plain = self._measured(b, 0) if b is not None else None
         if b is None or plain is None:
             return prior
@@ -124,14 +130,14 @@ class StepCostModel:
                 den += m.weight * kk * kk
         return max(1.0, 1.0 + num / den * k) if den else prior
 
-    def wants_plain(self, batch: int) -> bool:
-        """Should the next step at this batch size run plain, to measure (or refresh) the
-        baseline every relative cost divides by?"""
-        b = self._bucket(batch)
+    def wants_plain(self, batch: int, sampled: bool = False) -> bool:
+        """Should the next step at this batch size (greedy or ``sampled``) run plain, to measure
+        (or refresh) the baseline every relative cost divides by?"""
+        b = self._bucket(batch, sampled)
         m = b.means.get(0)
         return m is None or m.count < self.min_samples or b.since_plain >= b.interval
 
-    def estimates(self, batch: int) -> dict[int, float]:
+    def estimates(self, batch: int, sampled: bool = False) -> dict[int, float]:
         """K -> decayed mean seconds per step at this batch's bucket (benches, tests)."""
-        b = self._buckets.get(self.bucket_of(batch))
+        b = self._buckets.get((self.bucket_of(batch), sampled))
         return {k: m.value for k, m in sorted(b.means.items())} if b else {}

@@ -29,6 +29,7 @@ from keyserve.engine.kv_budget.resolve import request_budget
 from keyserve.engine.kv_core import KVCore, SeqStat
 from keyserve.engine.outputs import CompletionOutput, RequestOutput, RequestStats
 from keyserve.engine.stats import EngineStats
+from keyserve.engine.speculative import step_samples
 from keyserve.engine.step_input import ForkOp, StepInput, StepOutput, attach_drafts
 from keyserve.model.loader import LoadedModel
 
@@ -265,7 +266,9 @@ class LLMEngine:
         if any(it.num_new_tokens != 1 or it.forced_token_id is not None
                or not (it.sample_seq_ids or it.verifies) for it in items):
             return
-        self.speculative.observe_step(len(items), max(len(it.draft_token_ids) for it in items), seconds)
+        seqs = [self._seqs[it.seq_id] for it in items if it.seq_id in self._seqs]
+        self.speculative.observe_step(len(items), max(len(it.draft_token_ids) for it in items), seconds,
+                                      step_samples(seqs))
 
     def _flush_store_if_idle(self) -> None:
         """With no request left nobody waits for a token: store what was copied out now

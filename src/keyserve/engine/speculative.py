@@ -33,6 +33,12 @@ log = logging.getLogger(__name__)
 PRIOR_TRIALS = 16.0  # decayed verified drafts before the engine's acceptance replaces the default prior
 
 
+def step_samples(seqs: Iterable[Sequence]) -> bool:
+    """Whether a decode step of these sequences samples (some row at T > 0): its cost is kept
+    apart from greedy steps' (``core.step_cost``)."""
+    return any(seq.params.temperature > 0 for seq in seqs)
+
+
 class SpeculativeDecoder:
     def __init__(self, drafter: Drafter | None, config: SpeculativeConfig, cost_ratio: float) -> None:
         self.drafter = drafter
@@ -56,9 +62,10 @@ class SpeculativeDecoder:
         want = seq.params.speculative
         return self.config.speculative_by_default if want is None else want
 
-    def lookahead(self, seq: Sequence, max_model_len: int, batch: int = 1) -> int:
+    def lookahead(self, seq: Sequence, max_model_len: int, batch: int = 1, sampled: bool = False) -> int:
         """Draft tokens for this sequence's next decode step (0 = decode plainly); ``batch``:
-        how many sequences decode with it (adaptive K weighs the step cost at that size)."""
+        how many sequences decode with it, ``sampled``: whether any of them samples (adaptive K
+        weighs the step cost of that kind of step at that size)."""
         if not self.enabled_for(seq):
             return 0
         k = seq.params.num_speculative_tokens or self.config.num_speculative_tokens
@@ -71,7 +78,7 @@ class SpeculativeDecoder:
             # keeping its weight, kept drafting at batch 8 (0.70x plain) after the engine had
             # seen the draft accepted ~0.3 of the time.
             adaptive.prior_alpha = self.prior_alpha()
-            k = adaptive.choose(lambda kk: self.costs.relative_cost(kk, batch))
+            k = adaptive.choose(lambda kk: self.costs.relative_cost(kk, batch, sampled))
             if k and (adaptive.last_was_probe or not self._last_k.get(seq.seq_id)):
                 self._unsettled = True
             self._last_k[seq.seq_id] = k
@@ -88,14 +95,15 @@ class SpeculativeDecoder:
         plain step at this batch size (its baseline)."""
         seqs = list(seqs)
         self._unsettled = False
-        if self.config.adaptive_k and seqs and self.costs.wants_plain(len(seqs)):
+        sampled = step_samples(seqs)
+        if self.config.adaptive_k and seqs and self.costs.wants_plain(len(seqs), sampled):
             for seq in seqs:
                 self._last_k[seq.seq_id] = 0
             return {}
         wanted: dict[int, int] = {}
         for seq in seqs:
             try:
-                k = self.lookahead(seq, max_model_len, len(seqs))
+                k = self.lookahead(seq, max_model_len, len(seqs), sampled)
             except Exception:  # noqa: BLE001 — its speculative settings: it decodes plainly
                 log.warning("no speculation for sequence %d", seq.seq_id, exc_info=True)
                 k = 0
@@ -103,12 +111,12 @@ class SpeculativeDecoder:
                 wanted[seq.seq_id] = k
         return wanted
 
-    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+    def observe_step(self, batch: int, k: int, seconds: float, sampled: bool = False) -> None:
         """The engine's measured time of one decode step (no prompt chunk in it) of ``batch``
         sequences drafting up to ``k`` each: the step cost model learns from it, unless a
         sequence's draft was catching up or probing in it (not what a steady K costs)."""
         if self.config.adaptive_k and not (k and self._unsettled):
-            self.costs.record(batch, k, seconds)
+            self.costs.record(batch, k, seconds, sampled)
 
     def record(self, request_id: str, seq_id: int, num_draft: int, num_accepted: int) -> None:
         """Statistics of one verification (engine total and per request), and adaptive K's
