@@ -43,8 +43,8 @@ def _inject(llm: LLM, cost: Callable[[int, int], float]) -> list[dict[int, int]]
     observe, lookaheads = policy.observe_step, policy.lookaheads
     asked: list[dict[int, int]] = []
 
-    def observe_injected(batch: int, k: int, seconds: float) -> None:
-        observe(batch, k, cost(batch, k))
+    def observe_injected(batch: int, k: int, seconds: float, sampled: bool = False) -> None:
+        observe(batch, k, cost(batch, k), sampled)
 
     def lookaheads_spy(seqs, max_model_len):
         asked.append(lookaheads(seqs, max_model_len))
