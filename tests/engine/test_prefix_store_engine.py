@@ -356,3 +356,19 @@ def test_config_flat_names_serve_flags_and_refusals() -> None:
         EngineConfig.from_flat(prefix_store=True, prefix_store_chunk_size=12, block_size=8)
     with pytest.raises(ValueError, match="Ray"):
         EngineConfig.from_flat(prefix_store=True, tensor_parallel_size=2)
+
+
+def test_layer_pooling_is_refused_with_a_store(stories_path: str, tmp_path: Path) -> None:
+    """A stored prefix is loaded with its important tokens per kv-head, so one selection per
+    layer (``kv_score_pooling="layer"``) cannot sum the heads' scores slot by slot: refused at
+    admission with the field named, while the store's own engine still serves other requests
+    and the score window option. Mutation caught: the ``has_prefix_store`` check dropped from
+    admission (the request is accepted)."""
+    from keyserve.engine.errors import InvalidParamError
+
+    llm = make(stories_path, tmp_path)
+    with pytest.raises(InvalidParamError, match="kv_score_pooling") as err:
+        llm.generate("Once upon a time", greedy(8, kv_policy="h2o", kv_budget=0.5, kv_score_pooling="layer"))
+    assert err.value.param == "kv_score_pooling"
+    [ok] = llm.generate("Once upon a time", greedy(8, kv_policy="h2o", kv_budget=0.5, kv_score_window="last"))
+    assert len(ok.token_ids) == 8

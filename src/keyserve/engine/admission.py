@@ -38,6 +38,7 @@ class EngineLimits:
     max_model_len: int
     max_num_seqs: int
     has_draft: bool
+    has_prefix_store: bool = False
 
 
 def admit_params(params: Any, limits: EngineLimits) -> SamplingParams:
@@ -90,6 +91,11 @@ def _budget(p: SamplingParams, limits: EngineLimits, update: dict[str, Any]) -> 
         value = getattr(p, name)
         if not isinstance(value, str) or value not in allowed:
             raise InvalidParamError(f"{name} must be one of {', '.join(allowed)}, got {_show(value)}", name)
+    if p.kv_score_pooling == "layer" and p.kv_policy not in ("full", "window", "streaming_llm") and limits.has_prefix_store:
+        # a stored prefix is loaded with its important tokens per kv-head, so the heads of a
+        # layer hold different positions and their scores cannot be summed slot by slot
+        raise InvalidParamError("kv_score_pooling='layer' is not supported with the prefix store "
+                                "(its loaded prompts hold different tokens per kv-head)", "kv_score_pooling")
     _real(p.recent_ratio, "recent_ratio", 0.0, 1.0)
     tau_init = _real(p.tau_init, "tau_init", 0.0, MAX_TAU, low_open=True)
     tau_end = _real(p.tau_end, "tau_end", 0.0, MAX_TAU, low_open=True)

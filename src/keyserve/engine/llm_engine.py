@@ -211,7 +211,7 @@ class LLMEngine:
     def limits(self) -> EngineLimits:
         """What a request may ask of this engine (admission checks against it)."""
         return EngineLimits(self.vocab_size, self.max_model_len, self.config.scheduler.max_num_seqs,
-                            self.speculative is not None)
+                            self.speculative is not None, self.prefix_store is not None)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request and free its blocks."""
