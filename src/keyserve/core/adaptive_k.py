@@ -109,24 +109,26 @@ class AdaptiveK:
         total = self._tested + self.prior_weight
         return (self._accepted + self.prior_alpha * self.prior_weight) / total if total > 0 else self.prior_alpha
 
+    def _rate(self, relative_cost: Callable[[int], float] | None) -> Callable[[int], float]:
+        """K -> expected tokens per unit time, relative to plain decoding (K = 0 scores 1)."""
+        cost = relative_cost or (lambda k: 1.0 + self.cost_ratio * k)
+        alpha = min(max(self.alpha, 0.0), 1.0)
+        return lambda k: expected_tokens(alpha, k) / (cost(k) if k else 1.0)
+
     def best(self, relative_cost: Callable[[int], float] | None = None) -> int:
         """The K in [k_min, k_max] with the most expected tokens per unit time (smallest on
         ties); ``relative_cost(K)``: a K-draft step over a plain one (default 1 + c·K)."""
-        cost = relative_cost or (lambda k: 1.0 + self.cost_ratio * k)
-        alpha = min(max(self.alpha, 0.0), 1.0)
+        rate = self._rate(relative_cost)
         ks = range(self.k_min, self.k_max + 1)
-        return max(ks, key=lambda k: (expected_tokens(alpha, k) / (cost(k) if k else 1.0), -k))
+        return max(ks, key=lambda k: (rate(k), -k))
 
     def choose(self, relative_cost: Callable[[int], float] | None = None) -> int:
         """``best``, except that from K = 0 it moves only for a gain above ``switch_margin``,
         and at K = 0 it drafts ``probe_k`` now and then (module doc); ``last_was_probe`` says
         whether this choice was such a probe."""
         k = self.best(relative_cost)
-        if k > 0 and self._last == 0:
-            cost = relative_cost or (lambda kk: 1.0 + self.cost_ratio * kk)
-            alpha = min(max(self.alpha, 0.0), 1.0)
-            if expected_tokens(alpha, k) / cost(k) < 1.0 + self.switch_margin:
-                k = 0
+        if k > 0 and self._last == 0 and self._rate(relative_cost)(k) < 1.0 + self.switch_margin:
+            k = 0
         self._last = k
         self.last_was_probe = False
         if k > 0:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal, Sequence, get_args
 
 import torch
 
@@ -42,8 +42,8 @@ from keyserve.types import ScorePooling, ScoreWindow
 ScoreModeName = Literal["softmax", "gumbel"]
 # Options of the scoring policies (H2O, Keyformer), after TOVA (docs/kv-budgets.md, "Scoring
 # options"): which queries' attention S holds, and whether the kv-heads of a layer choose alone.
-SCORE_WINDOWS: tuple[str, ...] = ("all", "last")
-SCORE_POOLINGS: tuple[str, ...] = ("kv_head", "layer")
+SCORE_WINDOWS: tuple[str, ...] = get_args(ScoreWindow)
+SCORE_POOLINGS: tuple[str, ...] = get_args(ScorePooling)
 
 NUM_SINKS = 4  # StreamingLLM's attention sinks: positions 0..3
 _INT_MAX = torch.iinfo(torch.int64).max

@@ -16,9 +16,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, get_args
 
+from keyserve.core.kv_policy import SCORE_POOLINGS, SCORE_WINDOWS
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.engine.errors import InvalidParamError
-from keyserve.types import KVPolicyName, ScorePooling, ScoreWindow
+from keyserve.types import KVPolicyName
 
 SEED_RANGE = 2**63  # seeds are reduced into [0, 2**63) (a torch.Generator takes 64 bits)
 MAX_SPECULATIVE_TOKENS = 16  # the engine's K is at most this (config.SpeculativeConfig)
@@ -26,8 +27,6 @@ MAX_TEMPERATURE = 1e4  # beyond this every token is equally likely; larger only 
 MAX_TAU = 1e4
 INT64_MAX = 2**63 - 1
 _POLICIES = frozenset(get_args(KVPolicyName))
-_SCORE_WINDOWS: tuple[str, ...] = get_args(ScoreWindow)
-_SCORE_POOLINGS: tuple[str, ...] = get_args(ScorePooling)
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ def _budget(p: SamplingParams, limits: EngineLimits, update: dict[str, Any]) -> 
         raise InvalidParamError(
             f"kv_policy must be one of {', '.join(sorted(_POLICIES))}, got {_show(p.kv_policy)}", "kv_policy"
         )
-    for name, allowed in (("kv_score_window", _SCORE_WINDOWS), ("kv_score_pooling", _SCORE_POOLINGS)):
+    for name, allowed in (("kv_score_window", SCORE_WINDOWS), ("kv_score_pooling", SCORE_POOLINGS)):
         value = getattr(p, name)
         if not isinstance(value, str) or value not in allowed:
             raise InvalidParamError(f"{name} must be one of {', '.join(allowed)}, got {_show(value)}", name)

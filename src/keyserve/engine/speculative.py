@@ -126,8 +126,8 @@ class SpeculativeDecoder:
         self.adapt(seq_id, num_draft, num_accepted)
 
     def prior_alpha(self) -> float:
-        """A new sequence's starting acceptance: this engine's recent acceptance once it has
-        seen PRIOR_TRIALS verified drafts, else AdaptiveK's default prior."""
+        """Every sequence's prior acceptance (re-read each step): this engine's recent
+        acceptance once it has seen PRIOR_TRIALS verified drafts, else AdaptiveK's default."""
         engine = self._engine_alpha
         return engine.alpha if engine.tested >= PRIOR_TRIALS else AdaptiveK.prior_alpha
 

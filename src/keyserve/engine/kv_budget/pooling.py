@@ -47,17 +47,17 @@ def pool_over_layer(
     rows = pooled_rows(score_rows)
     if not rows[0] and not rows[1]:
         return scores
+    device = next(t for pair in scores for t in pair if t is not None).device
+    index = [torch.tensor(r, device=device) for r in rows]  # per kind (decode, prefill): pooled rows
     # [num_layers x kinds] pieces of this rank's heads: [local_heads, rows, ctx]
     pieces = []
     for pair in scores:
         for kind, t in enumerate(pair):
             if t is not None and rows[kind]:
-                index = torch.tensor(rows[kind], device=t.device)
-                pieces.append(t.index_select(0, index).transpose(0, 1).float())
+                pieces.append(t.index_select(0, index[kind]).transpose(0, 1).float())
     first, count = kv_head_range(total_kv_heads, tp)
     if tp.size > 1:
-        sizes = [p[0].numel() for p in pieces]
-        buf = pieces[0].new_zeros(total_kv_heads, sum(sizes))
+        buf = pieces[0].new_zeros(total_kv_heads, sum(p[0].numel() for p in pieces))
         if tp.size <= total_kv_heads or tp.rank % (tp.size // total_kv_heads) == 0:
             buf[first : first + count] = torch.cat([p.reshape(count, -1) for p in pieces], dim=1)
         buf = tp.reduce(buf)
@@ -79,7 +79,7 @@ def pool_over_layer(
             summed = total[offset : offset + n].view(len(rows[kind]), 1, t.shape[-1])
             offset += n
             t = t.clone()
-            t[torch.tensor(rows[kind], device=t.device)] = summed.to(t.dtype).expand(-1, t.shape[1], -1)
+            t[index[kind]] = summed.to(t.dtype).expand(-1, t.shape[1], -1)
             new.append(t)
         out.append((new[0], new[1]))
     return out
