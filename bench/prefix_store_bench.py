@@ -103,7 +103,8 @@ def engine_for(name: str, args: argparse.Namespace, loaded: Any, shared_tokens: 
     if name in STORE:
         flat.update(prefix_store=True, prefix_store_device_tokens=device_tokens,
                     prefix_store_host_tokens=host_tokens, prefix_store_disk_path=str(disk),
-                    prefix_store_disk_max_gb=args.disk_max_gb, prefix_store_top_k_fraction=args.top_k_fraction)
+                    prefix_store_disk_max_gb=args.disk_max_gb, prefix_store_top_k_fraction=args.top_k_fraction,
+                    prefix_store_disk_cold_reads=not args.warm_reads)
         flat.update({f"prefix_store_{k}": v for k, v in STORE[name].items()})
     return LLMEngine(EngineConfig.from_flat(**flat), loaded=loaded)
 
@@ -311,6 +312,9 @@ def main() -> None:
     ap.add_argument("--top-k-fraction", type=float, default=0.5, help="store: share of tokens important")
     ap.add_argument("--disk-max-gb", type=float, default=32.0)
     ap.add_argument("--disk-path", default=None, help="where the disk tiers live (default: the temp dir)")
+    ap.add_argument("--warm-reads", action="store_true",
+                    help="let disk reads hit the page cache (default: every read cold, as from a store larger "
+                         "than memory)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: on a shared machine, OpenMP threads wait on each other)")

@@ -90,6 +90,10 @@ class PrefixStoreConfig(_Strict):
         None, description="Directory for the disk tier (a private subdirectory is made); default: the temp dir."
     )
     disk_max_gb: float = Field(8.0, gt=0.0, description="Bound of the disk tier in GiB.")
+    disk_cold_reads: bool = Field(
+        False, description="Read the disk tier past the page cache (sync on write, drop before each "
+        "read): what a store larger than memory pays; for benchmarks.",
+    )
     top_k_fraction: float = Field(
         0.3, gt=0.0, le=1.0, description="Share of a stored prefix's tokens marked important per layer."
     )

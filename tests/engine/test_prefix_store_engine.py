@@ -94,11 +94,35 @@ def test_full_policy_prefix_pushed_to_disk_loads_back_identically(stories_path: 
     llm.engine.close()
 
 
+def importance_load(
+    nd: object, m: int, recent_from: int, even: bool = False
+) -> tuple[list[list[int]], list[int]]:
+    """What an importance load of a stored node (``NodeData``) of ``m`` tokens brings per layer:
+    the important positions, those of a "load all" layer, and the recent window (positions from
+    ``recent_from`` on), ascending -- with ``even``, every layer topped up to the largest count
+    with its next tokens in storage order -- and the stored chunks each layer reads for them."""
+    wants = [nd.important[layer] | bool(nd.load_all[layer]) | (torch.arange(m) >= recent_from)
+             for layer in range(nd.order.shape[0])]
+    most = max(int(w.sum()) for w in wants)
+    held, chunks = [], []
+    inv = torch.argsort(nd.order, dim=1)  # logical -> storage index
+    for layer, want in enumerate(wants):
+        xs = want.nonzero().flatten().tolist()
+        if even:
+            rest = [int(x) for x in nd.order[layer] if not want[x]]
+            xs = sorted(xs + rest[: most - len(xs)])
+        held.append(xs)
+        chunks.append(len({int(inv[layer, x]) // BLOCK for x in xs}))
+    return held, chunks
+
+
 def test_importance_load_equals_attention_over_the_same_tokens(stories_path: str, tmp_path: Path) -> None:
-    """A request under H2O loads only the important half of a stored prefix (no layer falls back
-    here: the agreement check is off). Its KV slots hold exactly those tokens' recomputed K/V at
-    their original positions, and its greedy output equals transformers generating over a cache
-    of the same tokens per layer (the budget is large enough that H2O evicts nothing more)."""
+    """A request under H2O loads the important half of a stored prefix and the part of its recent
+    window that lies in the prefix (no layer falls back here: the agreement check is off). Its KV
+    slots hold exactly those tokens' recomputed K/V at their original positions, and its greedy
+    output equals transformers generating over a cache of the same tokens per layer (the budget
+    is large enough that H2O evicts nothing more). Dropping the recent window from the load, or
+    storing the unimportant tokens in another order than latest first, fails it."""
     from transformers import DynamicCache, LlamaForCausalLM
 
     llm = make(stories_path, tmp_path, top_k_fraction=0.5, check_agreement=False)
@@ -109,18 +133,26 @@ def test_importance_load_equals_attention_over_the_same_tokens(stories_path: str
     m = len(ids) - len(ids) % BLOCK
     suffix = llm.engine.encode_prompt(" Then she went home and had a nap.")[1:]
     prompt = ids[:m] + suffix
-    rid, seq = first_step(llm, prompt, greedy(12, kv_policy="h2o", kv_budget=1000))
+    rid, seq = first_step(llm, prompt, greedy(12, kv_policy="h2o", kv_budget=1000, recent_ratio=0.1))
     assert seq.num_cached_tokens == m
+    # the recent window (w = 10 % of k, k capped by the context), of which the prefix holds the first part
+    recent_from = len(prompt) - seq.kv_budget.num_recent
+    assert 0 < recent_from < m - 2 * BLOCK
     state = llm.engine.runner.budget.states[seq.seq_id]
     pos = state.positions[:, 0]  # [L, slots]: loaded tokens, then the suffix
-    important = store.tree.match(prompt)[0].node.payload.important  # [L, m]
-    k = int(important[0].sum())
-    assert k == m // 2 and bool((important.sum(1) == k).all())
+    nd = store.tree.match(prompt)[0].node.payload
+    important = nd.important  # [L, m]
+    assert bool((important.sum(1) == m // 2).all())
+    held, chunks = importance_load(nd, m, recent_from, even=True)  # budget >= prompt: one count
+    k = len(held[0])
+    assert all(len(h) == k for h in held) and m // 2 < k < m  # the window adds unimportant tokens
     for layer in range(5):
-        assert pos[layer, :k].tolist() == important[layer].nonzero().flatten().tolist()
+        assert pos[layer, :k].tolist() == held[layer]
     assert pos[:, k:].equal(torch.arange(m, len(prompt)).expand(5, -1))
     chunk_bytes = BLOCK * 4 * 8 * 2 * 4  # tokens x kv-heads x head_dim x (K, V) x fp32
-    assert store.stats.disk_bytes_read == 5 * -(-k // BLOCK) * chunk_bytes  # repacked: dense chunks
+    # repacked: the important chunks, then the window's unimportant tokens, latest first
+    assert chunks == [-(-k // BLOCK)] * 5
+    assert store.stats.disk_bytes_read == sum(chunks) * chunk_bytes
     # KV of the loaded slots == recomputed KV at those positions, layer by layer
     ref = make(stories_path)
     rid_ref, seq_ref = first_step(ref, ids[:m] + [ids[m]], greedy(2))
@@ -157,7 +189,7 @@ def test_layers_load_different_counts_and_generate_what_attention_over_them_does
     stories_path: str, tmp_path: Path, step_tokens: int | None
 ) -> None:
     """One layer of a stored prefix is marked "load all" (its heads disagreed): that layer loads
-    every token and the others only their important half. Each layer's suffix is written right
+    every token and the others their important half and the recent window. Each layer's suffix is written right
     after its own tokens and attends to exactly them, prompt-phase H2O then brings every layer to
     k, and decoding goes on. Oracle: transformers run token by token over caches holding, per
     (layer, head), the tokens our state holds at that step, with K/V it computed itself."""
@@ -177,18 +209,19 @@ def test_layers_load_different_counts_and_generate_what_attention_over_them_does
     nd.load_all[2] = True  # as if layer 2's three heads had disagreed
     half = m // 2
     k = half + q // 2  # below the whole prompt: H2O evicts; above half - q: no top-up needed
-    loads = [half, half, m, half, half]
     rid, seq = first_step(llm, prompt, greedy(10, kv_policy="h2o", kv_budget=float(k)))
     assert seq.num_cached_tokens == m
+    # per layer: the important half and the recent window's part of the prefix; layer 2 all
+    held, chunks = importance_load(nd, m, len(prompt) - seq.kv_budget.num_recent)
+    loads = [len(h) for h in held]
+    assert loads[2] == m and all(half < c < m for i, c in enumerate(loads) if i != 2)
     state = llm.engine.runner.budget.states[seq.seq_id]
     if step_tokens is not None:  # mid-prompt: each layer's suffix so far follows its own tokens
         assert state.layer_held is not None and state.layer_held.tolist() == [c + step_tokens for c in loads]
         while not seq.output_token_ids:
             llm.engine.step()
-    held = [list(range(m)) if c == m else nd.important[layer].nonzero().flatten().tolist()
-            for layer, c in enumerate(loads)]  # per layer: the positions it loaded
     st = store.stats
-    assert st.disk_hits == 4 * -(-half // BLOCK) + m // BLOCK  # repacked chunks; layer 2 all of them
+    assert chunks[2] == m // BLOCK and st.disk_hits == sum(chunks)  # repacked chunks; layer 2 all of them
     assert st.loaded_tokens == sum(loads) // 5 and st.hit_tokens == m
     # the prompt step ends with H2O's selection: every layer at k, each from its own tokens
     assert state.layer_held is None and state.num_slots == k

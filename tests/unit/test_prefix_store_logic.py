@@ -270,11 +270,12 @@ def test_repacking_mapping_round_trip_and_density(num_layers, num_chunks, seed, 
         assert counts[layer].tolist() == per_chunk
         if repack:
             k = int(important[layer].sum())
-            # important tokens come first (dense), each group by descending score then index
+            # important tokens come first (dense) by descending score then index, the rest latest first
             assert all(bool(important[layer, int(i)]) for i in order[layer, :k])
-            for group in (order[layer, :k].tolist(), order[layer, k:].tolist()):
-                keyed = [(-float(scores[layer, i]), i) for i in group]
-                assert keyed == sorted(keyed)
+            keyed = [(-float(scores[layer, i]), i) for i in order[layer, :k].tolist()]
+            assert keyed == sorted(keyed)
+            rest = order[layer, k:].tolist()
+            assert rest == sorted(rest, reverse=True)
             # the fewest chunks that can hold the important tokens do hold them
             assert sum(1 for c in per_chunk if c) == -(-k // CHUNK)
         else:

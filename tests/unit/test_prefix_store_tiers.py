@@ -226,3 +226,29 @@ def test_first_unstored_is_the_first_position_an_insert_reads(tmp_path: Path) ->
     assert reads and min(x for x, _ in reads) == 0
     assert store.first_unstored(b, True) == 16 and store.first_unstored(b + [3] * 4, True) == 16
     check_exact(store, b + [0], 16)
+
+
+def test_cold_reads_drop_the_file_from_the_page_cache_before_each_read(tmp_path: Path, monkeypatch) -> None:
+    """A benchmark of the disk tier measures the device, not the page cache: every read drops
+    the node's file first (written files are synced so their pages can go), and the data and
+    checksums still round-trip. Without the drop (or with ``cold_reads`` off) no call is seen."""
+    import os
+
+    calls: list[int] = []
+    real = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:  # records, then really drops
+        calls.append(advice)
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    tokens = list(range(1, 18))
+    for cold in (False, True):
+        store = make_store(tmp_path / str(cold))
+        store.disk.cold_reads = cold
+        insert(store, tokens)
+        calls.clear()
+        check_exact(store, tokens, 16)
+        check_exact(store, tokens, 16)
+        reads = 2 * L  # one read per layer per load
+        assert calls == ([os.POSIX_FADV_DONTNEED] * reads if cold else [])

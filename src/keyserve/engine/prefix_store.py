@@ -6,7 +6,8 @@ stored from those blocks (``BlockManager.on_free``); a prompt under a KV budget 
 the attention scores its policy accumulated, just before prompt-phase eviction compacts it
 (``KVCore.prefix_hook``); and a sequence being admitted gets the longest stored prefix loaded
 into fresh blocks instead of recomputed (``Scheduler.prefix_loader``) -- every token under the
-full policy, only the important chunks under a KV budget, at their original positions.
+full policy, only the important chunks and the request's recent window under a KV budget, at
+their original positions.
 Storing is split: the KV is copied out of the blocks at once, and stored (importance,
 repacking, tiers, the disk write) at ``flush``, which the engine calls before its next step
 and when it goes idle.
@@ -67,7 +68,8 @@ class EnginePrefixStore:
         device = BlockPoolChunks(kv, self.reserved, chunk) if reserve else None
         host_slots = config.host_tokens // chunk
         host = HostChunks(num_layers, host_slots, shape, dtype) if host_slots else None
-        disk = DiskTier(config.disk_path, int(config.disk_max_gb * (1 << 30)), shape, dtype)
+        disk = DiskTier(config.disk_path, int(config.disk_max_gb * (1 << 30)), shape, dtype,
+                        config.disk_cold_reads)
         settings = StoreSettings(
             chunk, config.top_k_fraction, config.importance_heads, config.check_agreement,
             config.repack, config.eviction,
@@ -197,7 +199,8 @@ class EnginePrefixStore:
         # important tokens are chosen by attention score: only score-driven policies load them
         important = need_scores and self.config.load_important_only
         floor = self._tokens_per_layer_floor(seq, m) if important else 0
-        loaded = self.store.load(tokens, max_tokens, start, important, need_scores, floor)
+        recent = self._recent_from(seq) if important else None
+        loaded = self.store.load(tokens, max_tokens, start, important, need_scores, floor, recent)
         if loaded is None or loaded.num_tokens <= start:
             return cached
         m = loaded.num_tokens
@@ -235,6 +238,16 @@ class EnginePrefixStore:
         if kv_budget is None or kv_budget.budget is None or kv_budget.budget >= seq.num_tokens:
             return None
         return min(m, max(0, kv_budget.budget - rest))
+
+    def _recent_from(self, seq: Sequence) -> int | None:
+        """The first position of the recent window prompt-phase eviction will protect: H2O and
+        Keyformer keep those tokens whatever their scores, so an importance load brings them
+        too (without them the window holds only the important few, and the question reads a
+        prefix whose last part is half gone)."""
+        kv_budget = seq.kv_budget
+        if kv_budget is None or kv_budget.budget is None:
+            return None
+        return seq.num_tokens - kv_budget.num_recent
 
     def _needs_scores(self, seq: Sequence) -> bool:
         """H2O / Keyformer evict by accumulated scores: a prefix stored without them is

@@ -5,6 +5,10 @@ num_kv_heads, head_dim]`` in the cache dtype, so one layer's first c chunks (its
 tokens after repacking) are one contiguous byte range. Files appear only complete (written to
 a temporary name, then renamed). Checksums (CRC-32 per chunk) stay in memory with the index;
 a chunk whose bytes do not match, or a missing file, raises ``CorruptChunk`` and is never served.
+
+``cold_reads`` makes every read come from the device, not the page cache: files are synced when
+written and dropped from the cache (``posix_fadvise(DONTNEED)``) before each read. That is what
+a store larger than memory pays, and what a benchmark of the disk tier must measure.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class DiskTier:
         max_bytes: int,
         chunk_shape: tuple[int, int, int, int],  # (2, chunk_size, num_kv_heads, head_dim)
         dtype: torch.dtype,
+        cold_reads: bool = False,
     ) -> None:
         if parent is not None:
             Path(parent).mkdir(parents=True, exist_ok=True)
@@ -54,6 +59,7 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.chunk_shape = chunk_shape
         self.dtype = dtype
+        self.cold_reads = cold_reads and hasattr(os, "posix_fadvise")
         self.chunk_bytes = int(torch.Size(chunk_shape).numel()) * torch.empty((), dtype=dtype).element_size()
         self.sizes: dict[int, int] = {}  # node_id -> file bytes
         self.bytes_written = 0
@@ -84,6 +90,9 @@ class DiskTier:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(flat)
+                if self.cold_reads:  # clean pages only can be dropped before a read
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, final)  # atomic: readers see no file or the whole file
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -109,6 +118,8 @@ class DiskTier:
         except OSError as e:
             raise CorruptChunk(node_id, layer, chunk_ids[0] if chunk_ids else -1, f"file: {e}") from e
         try:
+            if self.cold_reads:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             at = 0
             for first, count in _runs(chunk_ids):
                 want = count * cb

@@ -3,8 +3,10 @@
 The node's tokens are stored per layer in *storage order*; ``order[l, s]`` (the mapping list)
 is the logical index (offset in the node) of the token at storage index ``s``. Logical order is
 untouched, so prefix matching never sees the permutation. Storage order puts the important
-tokens first, then the rest, each group by descending score, ties by logical index, so the
-top-c tokens of a layer are always its first ``ceil(c / chunk_size)`` chunks.
+tokens first, by descending score (ties by logical index), so the top-c tokens of a layer are
+always its first ``ceil(c / chunk_size)`` chunks; then the rest, latest first: a request's
+recent window (which H2O keeps whatever the scores) is the first few chunks after them, not
+tokens spread over every chunk.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ def storage_order(
     ident = torch.arange(n).expand(num_layers, n).clone()
     if not repack:
         return ident
-    order = ident
+    by_score = ident
     if scores is not None:
-        order = torch.sort(scores.float(), dim=1, descending=True, stable=True).indices
-    rank = (~important).gather(1, order).to(torch.int8)  # 0 = important
-    return order.gather(1, torch.sort(rank, dim=1, stable=True).indices)
+        by_score = torch.sort(scores.float(), dim=1, descending=True, stable=True).indices
+    # one key per token: important ones by their score rank [0, n), the rest latest first [n, 2n)
+    score_rank = inverse_order(by_score)
+    key = torch.where(important, score_rank, 2 * n - 1 - ident)
+    return torch.sort(key, dim=1).indices
 
 
 def inverse_order(

@@ -298,16 +298,20 @@ class PrefixStore:
         important_only: bool = False,
         need_scores: bool = False,
         min_per_layer: int | None = 0,
+        recent_from: int | None = None,
     ) -> LoadedPrefix | None:
         """KV of the longest stored prefix of ``tokens`` (at most ``max_tokens``) beyond
         ``start``: every token, or with ``important_only`` each node's important tokens per
-        layer (every token in its "load all" layers only), topped up to ``min_per_layer`` tokens
-        per layer with the next most important (None: to as many as the layer loading the most,
-        so every layer holds the same count). With ``need_scores`` only nodes stored with
-        attention scores count. None if nothing is stored."""
+        layer (every token in its "load all" layers only) and every token at a position from
+        ``recent_from`` on (the request's recent window, which H2O keeps whatever the scores),
+        topped up to ``min_per_layer`` tokens per layer with the next in storage order (None: to
+        as many as the layer loading the most, so every layer holds the same count). With
+        ``need_scores`` only nodes stored with attention scores count. None if nothing is
+        stored."""
         t0 = time.perf_counter()
         try:
-            return self._load(tokens, max_tokens, start, important_only, need_scores, min_per_layer)
+            return self._load(tokens, max_tokens, start, important_only, need_scores, min_per_layer,
+                              recent_from)
         finally:
             self.stats.load_seconds += time.perf_counter() - t0
 
@@ -344,6 +348,7 @@ class PrefixStore:
         important_only: bool = False,
         need_scores: bool = False,
         min_per_layer: int | None = 0,
+        recent_from: int | None = None,
     ) -> LoadedPrefix | None:
         """``load`` without the clock; a corrupt chunk drops its node and retries the lookup."""
         while True:
@@ -353,7 +358,7 @@ class PrefixStore:
                 return None
             before = {t: getattr(self.stats, f"{t}_hits") for t in TIERS}
             try:
-                pieces = self._load_path(path, start, important_only, min_per_layer)
+                pieces = self._load_path(path, start, important_only, min_per_layer, recent_from)
             except CorruptChunk as e:
                 self.stats.corrupt_chunks += 1
                 bad = self.tree.nodes.get(e.node_id)
@@ -373,7 +378,8 @@ class PrefixStore:
         return LoadedPrefix(m, start, positions, kv, scores, exact, tiers)
 
     def _load_path(
-        self, path: list, start: int, important_only: bool, min_per_layer: int | None
+        self, path: list, start: int, important_only: bool, min_per_layer: int | None,
+        recent_from: int | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per node on the path: positions [L, c] (-1 pads), KV [L, c, 2, H, D], scores
         [L, H, c]. A layer short of ``min_per_layer`` tokens in all takes the next most
@@ -393,7 +399,10 @@ class PrefixStore:
             needed = eligible
             if important_only and nd.important is not None:
                 assert nd.load_all is not None
-                needed = eligible & (nd.important | nd.load_all[:, None])
+                wanted = nd.important | nd.load_all[:, None]
+                if recent_from is not None:
+                    wanted = wanted | (ar + node.start >= recent_from)
+                needed = eligible & wanted
             plan.append((node, needed, eligible))
         short = torch.full((L,), min_per_layer or 0, dtype=torch.int64)
         for _, needed, _ in plan:
