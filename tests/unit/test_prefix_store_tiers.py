@@ -252,3 +252,42 @@ def test_cold_reads_drop_the_file_from_the_page_cache_before_each_read(tmp_path:
         check_exact(store, tokens, 16)
         reads = 2 * L  # one read per layer per load
         assert calls == ([os.POSIX_FADV_DONTNEED] * reads if cold else [])
+
+
+@pytest.mark.parametrize("eviction", ["importance", "lru"])
+def test_deferred_promotions_settle_to_the_tiers_of_immediate_ones(tmp_path: Path, eviction: str) -> None:
+    """The engine defers a load's promotions to ``settle`` (after the first token's step). Until
+    then the tiers are untouched, reads stay exact, and settling leaves every tier, heap and
+    counter as applying them inside the loads would have -- also when an insert in between
+    splits a node that a pending read touched (inserts settle first). Without the deferral the
+    tiers move during the load; with reads applied out of order or skipped the states differ."""
+    prefixes = [[p] * 9 for p in range(1, 5)] + [[1] * 5 + [7] * 4]  # the last splits prefix 1
+    stores = {}
+    for defer in (False, True):
+        store = make_store(tmp_path / str(defer), device_chunks=2, host_chunks=2, eviction=eviction,
+                           defer_promotions=defer)
+        for p in prefixes[:4]:
+            insert(store, p)
+        before = {t: dict(store.index[t].slots) for t in ("device", "host")}
+        check_exact(store, prefixes[0], 8)
+        check_exact(store, prefixes[2], 8)
+        check_exact(store, prefixes[0], 8)
+        moved = {t: dict(store.index[t].slots) for t in ("device", "host")} != before
+        assert moved != defer  # deferred: nothing moved yet
+        insert(store, prefixes[4])  # settles first, then splits prefix 1's node
+        check_exact(store, prefixes[1], 8)
+        store.settle()
+        check_exact(store, prefixes[0] + [0], 8)
+        store.settle()
+        stores[defer] = store
+    now, later = stores[False], stores[True]
+    assert later.stats.promotions == now.stats.promotions > 0
+    for tier in ("device", "host"):
+        assert later.index[tier].slots == now.index[tier].slots
+        for layer in range(L):
+            heap_now, heap_later = now.index[tier].heaps[layer], later.index[tier].heaps[layer]
+            assert sorted(heap_later.keys()) == sorted(heap_now.keys())
+            assert all(heap_later.priority(k) == heap_now.priority(k) for k in heap_now.keys())
+    for key in now.tree.nodes:
+        a, b = now.tree.nodes[key].payload, later.tree.nodes[key].payload
+        assert a.freq == b.freq and a.tick == b.tick

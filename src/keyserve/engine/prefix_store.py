@@ -10,7 +10,8 @@ full policy, only the important chunks and the request's recent window under a K
 their original positions.
 Storing is split: the KV is copied out of the blocks at once, and stored (importance,
 repacking, tiers, the disk write) at ``flush``, which the engine calls before its next step
-and when it goes idle.
+and when it goes idle. A load's promotions (counting the access, moving chunks to faster
+tiers) wait for that flush too, so neither delays the first token.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class EnginePrefixStore:
                         config.disk_cold_reads)
         settings = StoreSettings(
             chunk, config.top_k_fraction, config.importance_heads, config.check_agreement,
-            config.repack, config.eviction,
+            config.repack, config.eviction, defer_promotions=True,
         )
         self.store = PrefixStore(settings, KVLayout(num_layers, heads, dim, dtype), disk, device, host)
         self._loaded: set[int] = set()  # seq_ids whose blocks came from a load this admission
@@ -167,6 +168,7 @@ class EnginePrefixStore:
     def flush(self) -> None:
         """Store what the last steps copied out, oldest first. A copy that no longer covers
         what the insert would read (an earlier insert evicted part of its path) is dropped."""
+        self.store.settle()  # the last loads' promotions, before inserts may re-lay nodes out
         pending, self._pending = self._pending, []
         for p in pending:
             if self.store.first_unstored(p.tokens, p.scores is not None) < p.start:

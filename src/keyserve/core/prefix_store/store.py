@@ -47,6 +47,9 @@ class StoreSettings:
     check_agreement: bool = True  # the Jaccard test; off: never fall back to loading all
     repack: bool = True
     eviction: Literal["importance", "lru"] = "importance"
+    # Count accesses and move chunks between tiers at ``settle`` instead of inside ``load``: the
+    # engine settles after the step that used the load has returned its tokens (off the TTFT).
+    defer_promotions: bool = False
 
 
 @dataclass
@@ -80,7 +83,9 @@ class PrefixStoreStats:
     disk_bytes_written: int = 0
     splits: int = 0
     relayout_bytes_read: int = 0  # read to re-layout split nodes (not a request's load)
-    load_seconds: float = 0.0  # wall time spent in loads (reads, checks, promotions)
+    load_seconds: float = 0.0  # wall time spent in loads (reads, checks; promotions unless deferred)
+    settle_seconds: float = 0.0  # wall time spent applying deferred accesses (promotions)
+    disk_read_seconds: float = 0.0  # of load_seconds, reading (and checking) chunks from disk
     insert_seconds: float = 0.0  # and in inserts (gathers, repacking, disk writes, placement)
     dropped_inserts: int = 0  # deferred inserts whose copy no longer covered what they would read
 
@@ -139,6 +144,8 @@ class PrefixStore:
         self.stats = PrefixStoreStats()
         self._ticks = itertools.count(1)
         self.chunk_bytes = disk.chunk_bytes
+        # (node, its payload then, layer, chunk ids, their data) per read awaiting ``settle``
+        self._unsettled: list[tuple[RadixNode, NodeData, int, list[int], torch.Tensor]] = []
         self.last_importance: Any = None  # the latest judgement (inspection, benchmarks)
         self.judgements: list[tuple[float, float]] = []  # (mean Jaccard over layers, threshold)
 
@@ -184,7 +191,9 @@ class PrefixStore:
                     continue
                 if tier == "disk":
                     assert nd.checksums is not None
+                    t0 = time.perf_counter()
                     got = self.disk.read_chunks(node.node_id, layer, nd.num_chunks, cids, nd.checksums)
+                    self.stats.disk_read_seconds += time.perf_counter() - t0
                 else:
                     slots = [self.index[tier].slot((node.node_id, layer, cid)) for cid in cids]
                     got = self.data[tier].read(layer, slots)
@@ -195,7 +204,9 @@ class PrefixStore:
                     setattr(self.stats, f"{tier}_bytes_read", getattr(self.stats, f"{tier}_bytes_read") + nbytes)
                 else:
                     self.stats.relayout_bytes_read += nbytes
-            if access:
+            if access and self.settings.defer_promotions:
+                self._unsettled.append((node, nd, layer, ids_list, buf))
+            elif access:
                 self._access(node, layer, ids_list, buf)
             rows_of = buf.permute(0, 2, 1, 3, 4).reshape(-1, 2, H, D)  # [chunks * chunk, 2, H, D]
             out[layer, : rows_wanted.numel()] = rows_of[inv * self.chunk + rows_wanted % self.chunk]
@@ -232,6 +243,24 @@ class PrefixStore:
                 self._place(key, prio, data[j : j + 1], "host", pending)
                 self.stats.promotions += 1
         self._flush(layer, pending)
+
+    def settle(self) -> int:
+        """Apply the accesses of the loads since the last call, in order: count them and promote
+        what now outranks a faster tier (``defer_promotions``). A read whose node was dropped or
+        laid out again since is skipped: its chunk ids no longer name the same data. Returns the
+        reads applied. Until then every tier still holds what the loads read from it."""
+        pending, self._unsettled = self._unsettled, []
+        if not pending:
+            return 0
+        t0 = time.perf_counter()
+        applied = 0
+        for node, nd, layer, chunk_ids, data in pending:
+            if node.payload is not nd or self.tree.nodes.get(node.node_id) is not node:
+                continue
+            self._access(node, layer, chunk_ids, data)
+            applied += 1
+        self.stats.settle_seconds += time.perf_counter() - t0
+        return applied
 
     @staticmethod
     def _pending() -> dict[str, dict[int, tuple[ChunkKey, torch.Tensor]]]:
@@ -334,6 +363,7 @@ class PrefixStore:
     ) -> int:
         """Store the chunk-aligned part of ``tokens`` (exact KV, read through ``read_kv(start,
         end)`` for the part not stored yet). Returns the number of tokens newly stored."""
+        self.settle()  # accesses first: an insert may split or repack the nodes they read
         t0 = time.perf_counter()
         try:
             return self._insert(tokens, read_kv, scores)
@@ -619,6 +649,7 @@ class PrefixStore:
         return self.stats
 
     def close(self) -> None:
+        self._unsettled.clear()
         self.disk.close()
 
 
