@@ -80,6 +80,32 @@ def test_kv_budgets_equal_cpu(cpu: LLM, gpu: LLM, policy: str, window: str, pool
         assert a.token_ids == b.token_ids
 
 
+def test_prefix_store_loads_equal_cpu(stories_path: str, tmp_path) -> None:
+    """The prefix store with its device tier in CUDA KV blocks: a stored prefix pushed out to host
+    and disk loads back into the GPU's blocks, whole under full attention and as its important
+    tokens plus the recent window under H2O, and generates what the same store on the CPU does."""
+    story = " ".join(PROMPTS[2:5]) * 2
+    others = [PROMPTS[0] * 8, PROMPTS[5] * 12]
+    h2o = _greedy(kv_policy="h2o", kv_budget=0.5, max_tokens=24)
+    outs, stats = {}, {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(stories_path, device=device, num_blocks=256, block_size=16, enable_prefix_caching=False,
+                  prefix_store=True, prefix_store_device_tokens=64, prefix_store_host_tokens=64,
+                  prefix_store_disk_path=str(tmp_path / device), prefix_store_top_k_fraction=0.5)
+        first = [llm.generate(story, p)[0] for p in (_greedy(max_tokens=2), h2o)]  # stored, then with scores
+        for text in others:  # push the story's chunks down the tiers
+            llm.generate(text, _greedy(max_tokens=2))
+        later = [llm.generate(story + " Then", p)[0] for p in (_greedy(), h2o)]
+        outs[device] = first + later
+        stats[device] = llm.engine.prefix_store_stats()
+        llm.engine.close()
+    assert stats["cuda"]["hits"] >= 2 and stats["cuda"]["disk_hits"] > 0
+    for key in ("hits", "hit_tokens", "loaded_tokens", "device_hits", "host_hits", "disk_hits"):
+        assert stats["cuda"][key] == stats["cpu"][key], key
+    for a, b in zip(outs["cuda"], outs["cpu"]):
+        assert a.token_ids == b.token_ids
+
+
 def test_keyformer_holds_its_budget_and_frees_every_block(gpu: LLM) -> None:
     bm = gpu.engine.block_manager
     free = bm.num_free_blocks

@@ -39,11 +39,12 @@ def make(stories_path: str, tmp_path: Path | None = None, **store) -> LLM:
 
 
 def gather(llm: LLM, table: list[int], slots: torch.Tensor) -> torch.Tensor:  # [L, n, 2, H, D]
-    """K/V at logical ``slots`` of a block table, read straight from the cache."""
+    """K/V at logical ``slots`` of a block table, read straight from the cache (on the CPU,
+    whichever device holds it: the oracles run there)."""
     t = torch.tensor(table)
     phys = t[slots // BLOCK] * BLOCK + slots % BLOCK
     return torch.stack([torch.stack([k.view(-1, *k.shape[2:])[phys], v.view(-1, *v.shape[2:])[phys]], 1)
-                        for k, v in llm.engine.runner.kv_caches])
+                        for k, v in llm.engine.runner.kv_caches]).cpu()
 
 
 def first_step(llm: LLM, ids: list[int], params: SamplingParams):
@@ -139,7 +140,7 @@ def test_importance_load_equals_attention_over_the_same_tokens(stories_path: str
     recent_from = len(prompt) - seq.kv_budget.num_recent
     assert 0 < recent_from < m - 2 * BLOCK
     state = llm.engine.runner.budget.states[seq.seq_id]
-    pos = state.positions[:, 0]  # [L, slots]: loaded tokens, then the suffix
+    pos = state.positions[:, 0].cpu()  # [L, slots]: loaded tokens, then the suffix
     nd = store.tree.match(prompt)[0].node.payload
     important = nd.important  # [L, m]
     assert bool((important.sum(1) == m // 2).all())
@@ -228,7 +229,7 @@ def test_layers_load_different_counts_and_generate_what_attention_over_them_does
     for layer in range(5):
         allowed = set(held[layer]) | set(range(m, m + q))
         assert set(state.positions[layer].flatten().tolist()) <= allowed
-    kept = state.positions.clone()  # [L, H, k]
+    kept = state.positions.cpu()  # [L, H, k]
     ours_kv = gather(llm, seq.block_table, torch.arange(k))  # [L, k, 2, H, D]
 
     hf = LlamaForCausalLM.from_pretrained(stories_path, dtype=torch.float32, attn_implementation="sdpa").eval()

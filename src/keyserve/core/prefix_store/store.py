@@ -298,8 +298,8 @@ class PrefixStore:
         while those slots still hold them, then the device tier."""
         host = pending["host"]
         from_device = [slot for slot, (_, d) in host.items() if isinstance(d, int)]
-        if from_device:
-            rows = self.data["device"].read(layer, [host[s][1] for s in from_device])
+        if from_device:  # demoted chunks: on the host they are CPU tensors like the rest
+            rows = self.data["device"].read(layer, [host[s][1] for s in from_device]).cpu()
             for j, slot in enumerate(from_device):
                 host[slot] = (host[slot][0], rows[j : j + 1])
         for tier in ("host", "device"):
