@@ -62,10 +62,14 @@ class SpeculativeDecoder:
         want = seq.params.speculative
         return self.config.speculative_by_default if want is None else want
 
-    def lookahead(self, seq: Sequence, max_model_len: int, batch: int = 1, sampled: bool = False) -> int:
+    def lookahead(
+        self, seq: Sequence, max_model_len: int, batch: int = 1, sampled: bool = False,
+        prior: float | None = None,
+    ) -> int:
         """Draft tokens for this sequence's next decode step (0 = decode plainly); ``batch``:
         how many sequences decode with it, ``sampled``: whether any of them samples (adaptive K
-        weighs the step cost of that kind of step at that size)."""
+        weighs the step cost of that kind of step at that size); ``prior``: the step's
+        ``prior_alpha()``, read once for all its sequences (default: read now)."""
         if not self.enabled_for(seq):
             return 0
         k = seq.params.num_speculative_tokens or self.config.num_speculative_tokens
@@ -77,7 +81,7 @@ class SpeculativeDecoder:
             # first sequences of a cold engine started from the default 0.7 and, the prior
             # keeping its weight, kept drafting at batch 8 (0.70x plain) after the engine had
             # seen the draft accepted ~0.3 of the time.
-            adaptive.prior_alpha = self.prior_alpha()
+            adaptive.prior_alpha = self.prior_alpha() if prior is None else prior
             k = adaptive.choose(lambda kk: self.costs.relative_cost(kk, batch, sampled))
             if k and (adaptive.last_was_probe or not self._last_k.get(seq.seq_id)):
                 self._unsettled = True
@@ -101,9 +105,10 @@ class SpeculativeDecoder:
                 self._last_k[seq.seq_id] = 0
             return {}
         wanted: dict[int, int] = {}
+        prior = self.prior_alpha() if self.config.adaptive_k else None
         for seq in seqs:
             try:
-                k = self.lookahead(seq, max_model_len, len(seqs), sampled)
+                k = self.lookahead(seq, max_model_len, len(seqs), sampled, prior)
             except Exception:  # noqa: BLE001 — its speculative settings: it decodes plainly
                 log.warning("no speculation for sequence %d", seq.seq_id, exc_info=True)
                 k = 0
