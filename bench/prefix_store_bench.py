@@ -273,7 +273,9 @@ def render(data: dict[str, Any]) -> str:
             f"token). The disk reads are what IMPRESS saves ({(lru['repeat_disk_read_s'] - imp['repeat_disk_read_s']) * 1e3:.0f} ms); "
             f"even a store that cost nothing but its cold disk reads would make lru_h2o / impress = {bound:.2f}×: "
             f"the compute after the load ({rest_l * 1e3:.0f} / {rest_i * 1e3:.0f} ms) outweighs the cold reads of a "
-            f"135M model's KV.")
+            f"135M model's KV"
+            + (" (impress's is longer: its fallback layers hold every prefix token, so the suffix's attention and "
+               "H2O's selection run over more)." if rest_i > rest_l else "."))
     if imp and lru_all and s.get("lru_h2o"):
         lh = s["lru_h2o"]["store"].get("disk_bytes_read", 0)
         reading.append(
@@ -288,17 +290,34 @@ def render(data: dict[str, Any]) -> str:
             f"(b)) and its answers reach ROUGE-L {noc['rougeL']:.4f} (H2O on the whole prompt: {h2o['rougeL']:.4f}). "
             f"With the check, the layers whose three kv-heads disagree load every token: IMPRESS reads "
             f"{lru_all['store'].get('disk_bytes_read', 0) / max(imp['store'].get('disk_bytes_read', 0), 1):.2f}× "
-            f"less than (b) and reaches ROUGE-L {imp['rougeL']:.4f}.")
+            f"less than (b) and reaches ROUGE-L {imp['rougeL']:.4f}. In a fallback layer every chunk counts as "
+            f"important in the caching priority, so its chunks compete with the other prefixes' important chunks "
+            f"for that layer's share of memory tiers sized at half of all prefix tokens, and the rest comes from disk; the recent "
+            f"window's unimportant chunks (weight 0) come from disk in both.")
         reading.append(
             "Loads under H2O bring the important tokens and the request's recent window (its last 30 % of k "
             "positions, which H2O keeps whatever the scores). Before they did (2026-11-24 run of this bench), "
             "the window held only its important few and the question was computed over a prefix whose end was "
             "half missing: ROUGE-L 0.5375 with the check and 0.5280 without, against 0.6869 for H2O recomputed.")
-    if imp:
+    if imp and h2o:
+        reading.append(
+            f"What the window does not recover: H2O recomputed computes the question over every prefix token, "
+            f"then keeps per kv-head the best by prefix + question scores; a load computes it over the important "
+            f"half and the window only, so the question's attention to the tokens left on the store is lost and "
+            f"they can never enter H2O's selection. ROUGE-L {imp['rougeL']:.4f} vs {h2o['rougeL']:.4f} here; on "
+            f"the first 4 documents alone the window closed the gap (0.712 vs 0.676, docs/prefix-store.md). "
+            f"Loading every token with its stored scores would give H2O's own selection, at (b)'s disk bytes.")
+    if imp and lru_all:
+        same = lru_all["exact_answers"]
         reading.append(
             "Answer quality against full attention is bounded by the KV budget itself (50 % H2O on a 135M model), "
-            "not by the store: the full-attention store configuration (lru_all) reproduces every recomputed "
-            "answer token for token.")
+            f"not by the store: the full-attention store configuration (lru_all) reproduces {same} of "
+            f"{data['num_requests']} recomputed answers token for token"
+            + ("." if same == data["num_requests"] else
+               " (its loaded KV is the stored KV bit for bit, tests/engine/test_prefix_store_engine.py; the "
+               "suffix is computed over it in one chunk where recompute computes the prompt in chunks of "
+               f"{a['max_num_batched_tokens']}, so float32 sums run in another order and a near-tie between two "
+               "first tokens can flip)."))
     fb = data.get("importance", {})
     notes = [
         f"Scale: {a['num_docs']} documents of {a['doc_tokens'][0]}–{a['doc_tokens'][1]} tokens "
