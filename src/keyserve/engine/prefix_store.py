@@ -106,10 +106,16 @@ class EnginePrefixStore:
         """Write the loaded KV into logical ``slots`` ([L, C]: per layer, -1 = nothing) of
         the table."""
         dev = self.kv_caches[0][0].device
+        counts = (slots >= 0).sum(1).tolist()
         for layer, (k, v) in enumerate(self.kv_caches):
-            valid = slots[layer] >= 0
-            phys = self._physical(table, slots[layer][valid]).to(dev)
-            data = loaded.kv[layer][valid].to(dev, k.dtype)  # [c_l, 2, H, D]
+            n = counts[layer]
+            if bool((slots[layer, :n] >= 0).all()):  # the usual case: -1 pads only the tail
+                phys = self._physical(table, slots[layer, :n]).to(dev)
+                data = loaded.kv[layer, :n].to(dev, k.dtype)  # [c_l, 2, H, D], a view on the CPU
+            else:
+                valid = slots[layer] >= 0
+                phys = self._physical(table, slots[layer][valid]).to(dev)
+                data = loaded.kv[layer][valid].to(dev, k.dtype)
             k.view(-1, *k.shape[2:])[phys] = data[:, 0]
             v.view(-1, *v.shape[2:])[phys] = data[:, 1]
 

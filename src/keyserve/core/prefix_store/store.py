@@ -208,8 +208,13 @@ class PrefixStore:
                 self._unsettled.append((node, nd, layer, ids_list, buf))
             elif access:
                 self._access(node, layer, ids_list, buf)
-            rows_of = buf.permute(0, 2, 1, 3, 4).reshape(-1, 2, H, D)  # [chunks * chunk, 2, H, D]
-            out[layer, : rows_wanted.numel()] = rows_of[inv * self.chunk + rows_wanted % self.chunk]
+            # buf as rows [chunks * (K, V) * chunk, H, D]: gather K and V straight from it (no
+            # permuted copy of the whole buffer first)
+            flat = buf.view(-1, H, D)
+            k_rows = inv * (2 * self.chunk) + rows_wanted % self.chunk
+            n = rows_wanted.numel()
+            out[layer, :n, 0] = flat[k_rows]
+            out[layer, :n, 1] = flat[k_rows + self.chunk]
         return out
 
     def _access(
