@@ -260,12 +260,14 @@ def render(data: dict[str, Any]) -> str:
             f"lower over all requests and {h2o['ttft_repeat_mean'] / imp['ttft_repeat_mean']:.2f}× on repeat "
             f"questions; the first question of every document pays that slower prefill in all H2O configurations.")
     if imp and lru and lru.get("repeat_load_s") is not None and imp.get("repeat_load_s") is not None:
-        def parts(r: dict[str, Any]) -> str:
-            rest = r["ttft_repeat_mean"] - r["repeat_load_s"]
-            return (f"{r['ttft_repeat_mean'] * 1e3:.0f} ms = load {r['repeat_load_s'] * 1e3:.0f} (disk reads "
-                    f"{r['repeat_disk_read_s'] * 1e3:.0f}) + the rest {rest * 1e3:.0f}")
+        def rest(r: dict[str, Any]) -> float:  # a store hit's TTFT after its load
+            return r["ttft_repeat_mean"] - r["repeat_load_s"]
 
-        rest_l, rest_i = (r["ttft_repeat_mean"] - r["repeat_load_s"] for r in (lru, imp))
+        def parts(r: dict[str, Any]) -> str:
+            return (f"{r['ttft_repeat_mean'] * 1e3:.0f} ms = load {r['repeat_load_s'] * 1e3:.0f} (disk reads "
+                    f"{r['repeat_disk_read_s'] * 1e3:.0f}) + the rest {rest(r) * 1e3:.0f}")
+
+        rest_l, rest_i = rest(lru), rest(imp)
         bound = (rest_l + lru["repeat_disk_read_s"]) / (rest_i + imp["repeat_disk_read_s"])
         reading.append(
             f"Where a store hit's TTFT goes (repeat questions, per request): lru_h2o {parts(lru)}; impress "
@@ -276,8 +278,8 @@ def render(data: dict[str, Any]) -> str:
             f"135M model's KV"
             + (" (impress's is longer: its fallback layers hold every prefix token, so the suffix's attention and "
                "H2O's selection run over more)." if rest_i > rest_l else "."))
-    if imp and lru_all and s.get("lru_h2o"):
-        lh = s["lru_h2o"]["store"].get("disk_bytes_read", 0)
+    if imp and lru_all and lru:
+        lh = lru["store"].get("disk_bytes_read", 0)
         reading.append(
             f"Repacking: without it (lru_h2o) the important half of the tokens is spread over nearly every chunk, "
             f"so it reads {lh / mib:.0f} MiB from disk, about as much as loading everything "

@@ -104,18 +104,14 @@ class EnginePrefixStore:
 
     def _scatter(self, table: list[int], loaded: LoadedPrefix, slots: torch.Tensor) -> None:
         """Write the loaded KV into logical ``slots`` ([L, C]: per layer, -1 = nothing) of
-        the table."""
+        the table. As in ``LoadedPrefix``, -1 pads only a layer's tail, so each layer's rows
+        are a slice (no masked copy)."""
         dev = self.kv_caches[0][0].device
         counts = (slots >= 0).sum(1).tolist()
         for layer, (k, v) in enumerate(self.kv_caches):
             n = counts[layer]
-            if bool((slots[layer, :n] >= 0).all()):  # the usual case: -1 pads only the tail
-                phys = self._physical(table, slots[layer, :n]).to(dev)
-                data = loaded.kv[layer, :n].to(dev, k.dtype)  # [c_l, 2, H, D], a view on the CPU
-            else:
-                valid = slots[layer] >= 0
-                phys = self._physical(table, slots[layer][valid]).to(dev)
-                data = loaded.kv[layer][valid].to(dev, k.dtype)
+            phys = self._physical(table, slots[layer, :n]).to(dev)
+            data = loaded.kv[layer, :n].to(dev, k.dtype)  # [c_l, 2, H, D]
             k.view(-1, *k.shape[2:])[phys] = data[:, 0]
             v.view(-1, *v.shape[2:])[phys] = data[:, 1]
 
