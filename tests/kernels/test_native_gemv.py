@@ -44,6 +44,29 @@ def test_float32_equals_exact_product(rows: int, out: int, n_in: int, threads: i
     torch.testing.assert_close(got_b.double(), exact + b.double(), atol=1e-4, rtol=1e-5)
 
 
+def _has_avx512f() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_avx512f(), reason="the bit-identical few-row float32 path is AVX-512's")
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("out,n_in", [(576, 576), (37, 70), (9, 1536), (40, 100)])
+def test_float32_rows_are_bit_identical_to_one_row_products(rows: int, out: int, n_in: int) -> None:
+    """A verification step's K + 1 rows must give the logits K + 1 single-row decode steps
+    would: same summation order, so greedy speculation cannot flip a near-tie."""
+    gen = torch.Generator().manual_seed(rows * 7 + out)
+    w = torch.randn(out, n_in, generator=gen)
+    x = torch.randn(rows, n_in, generator=gen)
+    with torch.inference_mode():
+        together = gemv_float(x, w)
+        one_by_one = torch.cat([gemv_float(x[r : r + 1], w) for r in range(rows)])
+    assert torch.equal(together, one_by_one)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, MAX_ROWS])
 @pytest.mark.parametrize("out,n_in", [(576, 576), (37, 70), (4, 16), (40, 96), (9, 1536)])
 def test_bfloat16_is_the_float32_product_rounded_once(rows: int, out: int, n_in: int) -> None:

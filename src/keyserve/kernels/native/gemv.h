@@ -11,7 +11,9 @@
  * at a time from each 32-bit lane against an x permuted once per call (ks_dot_bf16_pairs: a
  * shift and a mask instead of a widening shuffle per value), float32 with AVX-512 where the CPU
  * has it (ks_dot_f32_512), else eight FMA chains (ks_dot8). 2-16 x rows of bf16 weights with
- * AVX-512: the same pairs, each weight row against four x rows at a time (ks_row_pairs). Else,
+ * AVX-512: the same pairs, each weight row against four x rows at a time (ks_row_pairs). 2-8 x
+ * rows of float32 weights with AVX-512: each weight row against up to four x rows, every row
+ * summed in the single-row order (ks_rows_f32_512: bit-identical to m one-row products). Else,
  * 2-8 x rows: one
  * weight row at a time against up to four x rows, two chains each (ks_row_xs), the row re-read
  * from L1 for the next four. 9-16 x rows: four weight rows against two x rows at a time
@@ -173,6 +175,60 @@ static inline __attribute__((always_inline)) float ks_dot_f32_512(const float *x
     float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a2), _mm512_add_ps(a1, a3)));
     for (; i < in; i++) s += x[i] * w[i];
     return s;
+}
+
+/* One float32 weight row against x rows r0..r0+M-1 (M <= 4, constant per call site), each x
+ * row summed in exactly ks_dot_f32_512's order (four chains 64 values a step, the same
+ * prefetch, the same reduction), so every row's result is bit-identical to the single-row
+ * product: a verification step's K + 1 rows give the very logits K + 1 plain decode steps
+ * would. The weight row streams once; the x rows come from L1. */
+static inline __attribute__((always_inline)) void ks_rows_f32_512(
+    const float *x, int ldx, int in, const float *w, int r0, int M, float *y, int ldy, int o) {
+    __m512 a[4][4];
+    for (int r = 0; r < M; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 64 <= in; i += 64) {
+        const char *ahead = (const char *)(w + i) + KS_PREFETCH_BYTES;
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        _mm_prefetch(ahead + 128, _MM_HINT_T0);
+        _mm_prefetch(ahead + 192, _MM_HINT_T0);
+        const __m512 w0 = _mm512_loadu_ps(w + i), w1 = _mm512_loadu_ps(w + i + 16);
+        const __m512 w2 = _mm512_loadu_ps(w + i + 32), w3 = _mm512_loadu_ps(w + i + 48);
+        for (int r = 0; r < M; r++) {
+            const float *xr = x + (int64_t)(r0 + r) * ldx + i;
+            a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, a[r][1]);
+            a[r][2] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 32), w2, a[r][2]);
+            a[r][3] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 48), w3, a[r][3]);
+        }
+    }
+    const int body = i;
+    for (int r = 0; r < M; r++) {
+        const float *xr = x + (int64_t)(r0 + r) * ldx;
+        int k = body;
+        for (; k + 16 <= in; k += 16) a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + k), _mm512_loadu_ps(w + k), a[r][0]);
+        float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][2]), _mm512_add_ps(a[r][1], a[r][3])));
+        for (; k < in; k++) s += xr[k] * w[k];
+        y[(int64_t)(r0 + r) * ldy + o] = s;
+    }
+}
+
+/* 2-8 x rows against float32 weights: one weight row at a time against groups of up to four x
+ * rows (ks_rows_f32_512). */
+static inline void ks_gemv_f32_rows_512(const float *x, int m, int ldx, int in, const float *w,
+                                        int o0, int o1, float *y, int ldy) {
+    for (int o = o0; o < o1; o++) {
+        const float *row = w + (int64_t)o * in;
+        int r0 = 0;
+        for (; r0 + 4 <= m; r0 += 4) ks_rows_f32_512(x, ldx, in, row, r0, 4, y, ldy, o);
+        switch (m - r0) {
+            case 1: ks_rows_f32_512(x, ldx, in, row, r0, 1, y, ldy, o); break;
+            case 2: ks_rows_f32_512(x, ldx, in, row, r0, 2, y, ldy, o); break;
+            case 3: ks_rows_f32_512(x, ldx, in, row, r0, 3, y, ldy, o); break;
+            default: break;
+        }
+    }
 }
 
 /* One bf16 weight row . x (x pair-permuted with vec = 16; in % 32 == 0), 64 values a step. */
@@ -381,6 +437,10 @@ static inline __attribute__((always_inline)) void ks_gemv_rows_impl(
     }
 #ifdef KS_GEMV_AVX512
     if (wdt == KS_BF16 && ks_gemv_pairs_rows(x, m, ldx, in, w, o0, o1, y, ldy)) return;
+    if (wdt == KS_F32 && m <= 8) {
+        ks_gemv_f32_rows_512(x, m, ldx, in, (const float *)w, o0, o1, y, ldy);
+        return;
+    }
 #endif
     if (m <= 8) {  /* one weight row at a time against groups of up to four x rows */
         for (int o = o0; o < o1; o++) {
