@@ -396,8 +396,9 @@ def test_layer_pooling_is_refused_with_a_store(stories_path: str, tmp_path: Path
     """A stored prefix is loaded with its important tokens per kv-head, so one selection per
     layer (``kv_score_pooling="layer"``) cannot sum the heads' scores slot by slot: refused at
     admission with the field named, while the store's own engine still serves other requests
-    and the score window option. Mutation caught: the ``has_prefix_store`` check dropped from
-    admission (the request is accepted)."""
+    and the score window option. Mutations caught: the ``has_prefix_store`` check dropped from
+    admission (the request is accepted); the request's own policy read without the server's
+    default (the last request, which names none, is refused)."""
     from keyserve.engine.errors import InvalidParamError
 
     llm = make(stories_path, tmp_path)
@@ -405,4 +406,21 @@ def test_layer_pooling_is_refused_with_a_store(stories_path: str, tmp_path: Path
         llm.generate("Once upon a time", greedy(8, kv_policy="h2o", kv_budget=0.5, kv_score_pooling="layer"))
     assert err.value.param == "kv_score_pooling"
     [ok] = llm.generate("Once upon a time", greedy(8, kv_policy="h2o", kv_budget=0.5, kv_score_window="last"))
+    assert len(ok.token_ids) == 8
+    # no policy named: the server's default (full) evicts nothing, so the option is harmless
+    [ok] = llm.generate("Once upon a time", greedy(8, kv_budget=0.5, kv_score_pooling="layer"))
+    assert len(ok.token_ids) == 8
+
+
+def test_layer_pooling_follows_the_servers_default_budget(stories_path: str, tmp_path: Path) -> None:
+    """A request that names no policy runs under the server's default: refused when that
+    default selects by score, accepted when the request itself asks for no eviction. Mutation
+    caught: the server's default budget ignored (the first request is accepted)."""
+    from keyserve.engine.errors import InvalidParamError
+
+    llm = LLM(stories_path, num_blocks=160, block_size=BLOCK, enable_prefix_caching=False, prefix_store=True,
+              prefix_store_disk_path=str(tmp_path), default_kv_policy="h2o", default_kv_budget=0.5)
+    with pytest.raises(InvalidParamError, match="kv_score_pooling"):
+        llm.generate("Once upon a time", greedy(8, kv_score_pooling="layer"))
+    [ok] = llm.generate("Once upon a time", greedy(8, kv_policy="full", kv_score_pooling="layer"))
     assert len(ok.token_ids) == 8

@@ -38,6 +38,9 @@ class EngineLimits:
     max_num_seqs: int
     has_draft: bool
     has_prefix_store: bool = False
+    # the budget of a request that names none (CacheConfig.default_kv_policy / _budget)
+    default_kv_policy: str = "full"
+    default_kv_budget: float | None = None
 
 
 def admit_params(params: Any, limits: EngineLimits) -> SamplingParams:
@@ -90,9 +93,13 @@ def _budget(p: SamplingParams, limits: EngineLimits, update: dict[str, Any]) -> 
         value = getattr(p, name)
         if not isinstance(value, str) or value not in allowed:
             raise InvalidParamError(f"{name} must be one of {', '.join(allowed)}, got {_show(value)}", name)
-    if p.kv_score_pooling == "layer" and p.kv_policy not in ("full", "window", "streaming_llm") and limits.has_prefix_store:
+    policy = p.kv_policy or limits.default_kv_policy
+    evicts = (p.kv_budget if p.kv_budget is not None else limits.default_kv_budget) is not None
+    if (p.kv_score_pooling == "layer" and evicts and policy not in ("full", "window", "streaming_llm")
+            and limits.has_prefix_store):
         # a stored prefix is loaded with its important tokens per kv-head, so the heads of a
-        # layer hold different positions and their scores cannot be summed slot by slot
+        # layer hold different positions and their scores cannot be summed slot by slot; the
+        # option only matters when the request (or the server's default) selects by score
         raise InvalidParamError("kv_score_pooling='layer' is not supported with the prefix store "
                                 "(its loaded prompts hold different tokens per kv-head)", "kv_score_pooling")
     _real(p.recent_ratio, "recent_ratio", 0.0, 1.0)

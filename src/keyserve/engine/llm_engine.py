@@ -210,8 +210,10 @@ class LLMEngine:
     @property
     def limits(self) -> EngineLimits:
         """What a request may ask of this engine (admission checks against it)."""
+        cache = self.config.cache
         return EngineLimits(self.vocab_size, self.max_model_len, self.config.scheduler.max_num_seqs,
-                            self.speculative is not None, self.prefix_store is not None)
+                            self.speculative is not None, self.prefix_store is not None,
+                            cache.default_kv_policy, cache.default_kv_budget)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request and free its blocks."""
