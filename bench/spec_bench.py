@@ -344,8 +344,7 @@ def render_step_cost(rows: list[StepCost], meta: dict, baseline: dict | None = N
     compare = [] if not before else [
         "",
         f"Before and after, the same command and machine ({baseline['meta'].get('label', 'baseline')}; its load "
-        f"average before {baseline['meta']['load_before']}, after {baseline['meta']['load_after']}; plain steps run "
-        f"the same code in both, so their ratio is the machine's load drifting):",
+        f"average before {baseline['meta']['load_before']}, after {baseline['meta']['load_after']}):",
         "",
         markdown_table(["batch", "K", "before: step ms", "before: draft ms", "before: target ms",
                         "before: verify/sample ms", "now: step ms", "now ÷ before"], before),
