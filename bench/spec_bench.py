@@ -1,7 +1,8 @@
 """Speculative sampling on SmolLM2-135M-Instruct with the committed distilled draft.
 
 Side by side in one process: keyserve without speculation, keyserve with the draft at
-K = 1..6, keyserve with adaptive K (capped at the largest K; it may pick K = 0), and
+K = 1..6, keyserve with adaptive K (capped at the largest K; it may pick K = 0; switched on
+for its rows in the same engine, see ``adaptive_k``), and
 transformers' assisted generation (``generate(..., assistant_model=draft)``, a constant K) with
 the very same draft weights (``keyserve.training.hf.draft_for_transformers``), at temperature 0
 and 0.8, batch 1 and batch 8 (transformers' assisted generation takes one sequence at a time,
@@ -37,6 +38,7 @@ docs/bench_spec_step.json:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -130,6 +132,26 @@ def keyserve_run(llm, batch: int, temperature: float, k: int, prompts: list[str]
             else:
                 row.target_forwards += s.generated_tokens
     return row
+
+
+@contextlib.contextmanager
+def adaptive_k(llm, on: bool):  # noqa: ANN001, ANN201
+    """Adaptive K switched on for one run of the engine that runs every keyserve row.
+
+    Why one engine: a second LLM in the same process decoded ~8-10 % slower at batch 8 on the
+    2-core Xeon (plain decoding on both, either order; its weights got fewer transparent huge
+    pages), and the adaptive rows, run on a second engine, read that as adaptive K's cost. The
+    step cost model learns only while adaptive K is on (``SpeculativeDecoder.observe_step``), over
+    the warm-up and every round, as a server's would; the engine's acceptance prior sees every
+    verification, fixed K included, as a server's would."""
+    policy = llm.engine.speculative
+    before = policy.config
+    if on:
+        policy.config = before.model_copy(update={"adaptive_k": True})
+    try:
+        yield
+    finally:
+        policy.config = before
 
 
 # -------------------------------------------------------------------- transformers
@@ -620,10 +642,6 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
         torch.set_num_threads(args.threads)
     start, load_before = time.perf_counter(), _load_avg()
     llm = LLM(draft="default", num_speculative_tokens=max(args.ks), max_num_seqs=max(args.batches))
-    # Adaptive K in an engine of its own: its step cost model learns this machine's costs over
-    # the warm-up and every round (as a server's would), and the fixed-K engine stays fixed.
-    llm_adaptive = None if args.skip_adaptive else LLM(
-        draft="default", num_speculative_tokens=max(args.ks), max_num_seqs=max(args.batches), adaptive_k=True)
     tok = llm.tokenizer
     path = str(llm.engine.loaded.path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -634,7 +652,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
 
     # (engine, adaptive, batch, temperature, K): K is the cap for adaptive rows.
     configs = [("keyserve", False, b, t, k) for t in args.temperatures for b in args.batches for k in [0, *args.ks]]
-    if llm_adaptive is not None:
+    if not args.skip_adaptive:
         configs += [("keyserve", True, b, t, max(args.ks)) for t in args.temperatures for b in args.batches]
     if not args.skip_hf:
         configs += [("transformers", False, 1, t, k) for t in args.temperatures for k in [0, *args.ks]]
@@ -647,7 +665,8 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
         with torch.inference_mode():
             if engine == "keyserve":
-                return keyserve_run(llm_adaptive if adaptive else llm, batch, temp, k, prompts, max_tokens, adaptive)
+                with adaptive_k(llm, adaptive):
+                    return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive)
             return hf_run(hf, draft, counters, tok, temp, k, prompts, max_tokens)
 
     # Warm-up, untimed, for every contender and configuration: first-call costs (allocations,

@@ -36,15 +36,20 @@ def _adaptive(stories_path: str, draft_dir: str) -> LLM:
                adaptive_k=True, draft_cost_ratio=0.05)
 
 
-def _inject(llm: LLM, cost: Callable[[int, int], float]) -> list[dict[int, int]]:
+def _inject(llm: LLM, cost: Callable[[int, int], float],
+            observed: list[tuple[int, int, int | None]] | None = None) -> list[dict[int, int]]:
     """Replace the measured step seconds by ``cost(batch, k)``; return the drafts asked for at
-    every step (filled as the engine runs)."""
+    every step (filled as the engine runs); ``observed`` gets each reported (batch, K,
+    sequences that drafted)."""
     policy = llm.engine.speculative
     observe, lookaheads = policy.observe_step, policy.lookaheads
     asked: list[dict[int, int]] = []
 
-    def observe_injected(batch: int, k: int, seconds: float, sampled: bool = False) -> None:
-        observe(batch, k, cost(batch, k), sampled)
+    def observe_injected(batch: int, k: int, seconds: float, sampled: bool = False,
+                         drafting: int | None = None) -> None:
+        if observed is not None:
+            observed.append((batch, k, drafting))
+        observe(batch, k, cost(batch, k), sampled, drafting)
 
     def lookaheads_spy(seqs, max_model_len):
         asked.append(lookaheads(seqs, max_model_len))
@@ -70,7 +75,9 @@ def test_greedy_output_is_the_targets_while_k_switches_off_and_on(
     probe, come back with a draft that must catch up, and drafts of every K up to the cap
     are verified. Output equals the target alone's; both pools are empty after. Mutation
     caught: the greedy accept rule ``ids == argmax[:, :max_draft]`` → ``<=`` in
-    ``verify_drafts`` (a draft id at or below the target's argmax accepted)."""
+    ``verify_drafts`` (a draft id at or below the target's argmax accepted). The step cost
+    model is told how many sequences of each step drafted (steps where only some did are
+    scaled to all of them); mutation caught: the engine reporting the batch size instead."""
     llm = _adaptive(stories_path, draft_dir)
     steps = [0]
 
@@ -78,7 +85,8 @@ def test_greedy_output_is_the_targets_while_k_switches_off_and_on(
         steps[0] += 1
         return (_cheap if (steps[0] // 20) % 2 == 0 else _dear)(batch, k)
 
-    asked = _inject(llm, flipping)
+    observed: list[tuple[int, int, int | None]] = []
+    asked = _inject(llm, flipping, observed)
     prompts = _prompts(8)
     params = [SamplingParams(max_tokens=60 + 7 * i, temperature=0.0, ignore_eos=True) for i in range(8)]
     outs = llm.generate(prompts, params)
@@ -87,6 +95,8 @@ def test_greedy_output_is_the_targets_while_k_switches_off_and_on(
     ks = {k for a in asked for k in a.values()}
     assert {1, K_MAX} <= ks, ks  # probes and full speculation both ran
     assert sum(1 for a in asked if not a) > 10  # and steps with no drafts at all
+    assert all(d == 0 if k == 0 else d is not None and 1 <= d <= b for b, k, d in observed), observed
+    assert any(k and d < b for b, k, d in observed) and any(k and d == b for b, k, d in observed)
     engine = llm.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     drafter = engine.speculative.drafter
@@ -126,3 +136,33 @@ def test_engine_stops_drafting_when_the_step_cost_says_speculation_loses(
     later = asked[20:]
     assert sum(1 for a in later if a) >= 0.8 * len(later)
     assert max(k for a in later for k in a.values()) > 1
+
+
+def test_the_first_decode_step_after_a_prompt_is_not_a_cost_sample(stories_path: str, draft_dir: str) -> None:
+    """The first decode step after a prompt's forward pays one-off costs (2x a steady step at
+    batch 8 on 2 cores); as a plain baseline it made K = 1 look free. So the step right after
+    one with a prompt chunk is never reported, and every later decode step is. Mutation caught:
+    ``if after_prompt: return`` dropped (that step is reported)."""
+    llm = _adaptive(stories_path, draft_dir)
+    observed: list[tuple[int, int, int | None]] = []
+    _inject(llm, _cheap, observed)
+    engine = llm.engine
+    step = engine.step
+    kinds: list[tuple[bool, bool]] = []  # (had a prompt chunk, was reported)
+
+    def spy():  # noqa: ANN202
+        before = len(observed)
+        out = step()
+        items = engine._running_step.items if engine._running_step is not None else []
+        kinds.append((any(it.num_new_tokens != 1 for it in items), len(observed) > before))
+        return out
+
+    engine.step = spy
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    llm.generate(_prompts(2), params)
+    llm.generate(_prompts(3), params)  # a second prompt phase, after decode steps
+    after = [i for i in range(1, len(kinds)) if kinds[i - 1][0] and not kinds[i][0]]
+    assert len(after) >= 2
+    assert not any(kinds[i][1] for i in after)
+    later = [i for i in range(1, len(kinds)) if not kinds[i - 1][0] and not kinds[i][0]]
+    assert later and all(kinds[i][1] for i in later)

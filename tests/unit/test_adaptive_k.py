@@ -53,17 +53,30 @@ def test_probes_at_zero_with_exponential_back_off() -> None:
     Mutations caught: ``min(2 * self._interval, ...)`` → ``self._interval`` (probes at a fixed
     rate forever); ``self._countdown -= 1`` dropped (never probes again: a draft that starts
     agreeing is never noticed)."""
-    ak = AdaptiveK(k_min=0, k_max=4, prior_alpha=0.1, probe_k=1, min_interval=4, max_interval=32)
-    dear = lambda k: 1.0 + 2.0 * k  # noqa: E731
+    ak = AdaptiveK(k_min=0, k_max=4, prior_alpha=0.1, prior_weight=1.0, probe_k=1, min_interval=4, max_interval=32)
+    cost = lambda k: 1.0 + 0.3 * k  # noqa: E731  a fresh sequence with an accepted probe would draft
     probes = []
     for step in range(1, 120):
-        k = ak.choose(dear)
+        k = ak.choose(cost)
         assert k in (0, 1) and (k == 1) == ak.last_was_probe
         if k:
             probes.append(step)
             ak.observe([1], [0])  # the probe is rejected: α stays low
     gaps = [b - a for a, b in zip([0, *probes], probes)]
     assert gaps == [4, 8, 16, 32, 32, 32][: len(gaps)] and len(gaps) >= 5
+
+
+def test_no_probe_where_even_an_accepted_one_could_not_pay() -> None:
+    """Batch 8 on 2 cores: a K = 1 step costs 1.6 plain steps and the engine's α is 0.34, so
+    a probe, even accepted, leaves the choice at 0 -- and its catch-up step costs 2-2.7 plain
+    steps. No probe is drafted; where the step gets cheaper (a smaller batch) drafting comes
+    back. Mutation caught: the ``_probe_could_pay`` check dropped (probes at 4, 12, 28, ...
+    steps)."""
+    ak = AdaptiveK(k_min=0, k_max=2, prior_alpha=0.34, prior_weight=8.0, min_interval=4, max_interval=16)
+    batch8 = lambda k: 1.0 + 0.6 * k  # noqa: E731
+    assert all(ak.choose(batch8) == 0 for _ in range(200))
+    batch1 = lambda k: 1.0 + 0.2 * k  # noqa: E731  K = 1 pays at α 0.34 here
+    assert any(ak.choose(batch1) for _ in range(17))
 
 
 def test_a_draft_that_starts_agreeing_is_picked_up_again() -> None:

@@ -143,3 +143,33 @@ def test_greedy_and_sampled_steps_keep_their_own_baselines() -> None:
     assert m.relative_cost(2, 8, sampled=True) == pytest.approx(0.050 / 0.035)
     assert m.estimates(8) == {0: pytest.approx(0.024), 2: pytest.approx(0.038)}
     assert not m.wants_plain(8) and m.wants_plain(4, sampled=True)
+
+
+def test_a_step_where_some_sequences_drafted_is_scaled_to_all_of_them() -> None:
+    """K's cost is what a step costs when every sequence drafts K (each sequence's choice is
+    weighed against it): 2 of 8 drafting at +12.5 % means all 8 at +50 %. Mutation caught:
+    the ``(seconds - plain) / weight`` scaling dropped (the ratio reads 1.125, and at batch 8
+    adaptive K kept drafting at 0.75x plain decoding)."""
+    m = StepCostModel(prior_cost_ratio=0.05, max_jump=float("inf"))
+    _feed(m, 8, 0, 1.0)
+    for _ in range(3):
+        m.record(8, 1, 1.125, drafting=2)
+    assert m.relative_cost(1, 8) == pytest.approx(1.5)
+    for _ in range(3):  # all drafting (drafting == batch, or not given): taken as measured
+        m.record(8, 2, 1.6, drafting=8)
+    assert m.relative_cost(2, 8) == pytest.approx(1.6)
+
+
+def test_a_step_where_few_drafted_weighs_as_little() -> None:
+    """A step in which 1 of 8 sequences drafted weighs 1/8 of a sample: its scaled-up time is
+    8x as noisy. Mutation caught: ``mean.add(seconds, self.decay, weight)`` back to a full
+    sample (one such step pulls the mean from 1.5 to 1.36 instead of 1.48)."""
+    decay = 0.8
+    m = StepCostModel(prior_cost_ratio=0.05, decay=decay, max_jump=float("inf"))
+    _feed(m, 8, 0, 1.0)
+    _feed(m, 8, 1, 1.5, times=5)
+    m.record(8, 1, 1.0, drafting=1)  # no visible extra cost: scaled, still 1.0
+    w = sum(decay**i for i in range(5))
+    oracle = (decay * w * 1.5 + 0.125 * 1.0) / (decay * w + 0.125)
+    assert m.relative_cost(1, 8) == pytest.approx(oracle)
+    assert m.relative_cost(1, 8) > 1.45

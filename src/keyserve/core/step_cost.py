@@ -38,9 +38,9 @@ class _Mean:
     weight: float = 0.0
     count: int = 0
 
-    def add(self, x: float, decay: float) -> None:
-        self.total = decay * self.total + x
-        self.weight = decay * self.weight + 1.0
+    def add(self, x: float, decay: float, weight: float = 1.0) -> None:
+        self.total = decay * self.total + weight * x
+        self.weight = decay * self.weight + weight
         self.count += 1
 
     @property
@@ -87,17 +87,33 @@ class StepCostModel:
             b = self._buckets[key] = _Bucket(interval=self.min_interval)
         return b
 
-    def record(self, batch: int, k: int, seconds: float, sampled: bool = False) -> None:
+    def record(self, batch: int, k: int, seconds: float, sampled: bool = False,
+               drafting: int | None = None) -> None:
         """One decode step of ``batch`` sequences drafting up to ``k`` each (0: plain) took
         ``seconds``, all of it: draft, target, verification and bookkeeping; ``sampled``: some
-        row of it sampled (T > 0)."""
+        row of it sampled (T > 0); ``drafting``: how many of the sequences drafted (default:
+        all of them).
+
+        A speculative K's mean is what a step costs when *every* sequence drafts K, because
+        that is what each sequence's choice is weighed against (a sequence gains its own extra
+        tokens and pays its share of the step). A step in which only some drafted is scaled up
+        to it -- plain + (seconds - plain) x batch / drafting -- and weighs drafting / batch of
+        a sample (a step where 1 of 8 drafted says little about 8 drafting). Unscaled, steps where
+        3 of 8 sequences drafted read K = 1 at 1.29x plain where all 8 drafting cost 1.50x: each
+        sequence judged K = 1 worth it, and adaptive K made 0.75x plain decoding at batch 8."""
         if seconds <= 0 or batch < 1 or k < 0:
             return
         b = self._bucket(batch, sampled)
+        weight = 1.0
+        if k > 0 and drafting is not None and 0 < drafting < batch:
+            weight = drafting / batch
+            plain = self._measured(b, 0)
+            if plain is not None:
+                seconds = plain + (seconds - plain) / weight
         mean = b.means.setdefault(k, _Mean())
         if mean.count >= self.min_samples:  # a one-off stall (GC, another process) counts as max_jump x
             seconds = min(seconds, self.max_jump * mean.value)
-        mean.add(seconds, self.decay)
+        mean.add(seconds, self.decay, weight)
         if k == 0:
             if b.since_plain >= b.interval:  # a refresh was due: space the next one out further
                 b.interval = min(2 * b.interval, self.max_interval)

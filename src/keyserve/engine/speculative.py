@@ -116,12 +116,14 @@ class SpeculativeDecoder:
                 wanted[seq.seq_id] = k
         return wanted
 
-    def observe_step(self, batch: int, k: int, seconds: float, sampled: bool = False) -> None:
+    def observe_step(self, batch: int, k: int, seconds: float, sampled: bool = False,
+                     drafting: int | None = None) -> None:
         """The engine's measured time of one decode step (no prompt chunk in it) of ``batch``
-        sequences drafting up to ``k`` each: the step cost model learns from it, unless a
-        sequence's draft was catching up or probing in it (not what a steady K costs)."""
+        sequences, ``drafting`` of them (default: all) drafting up to ``k`` each: the step cost
+        model learns from it, unless a sequence's draft was catching up or probing in it (not
+        what a steady K costs)."""
         if self.config.adaptive_k and not (k and self._unsettled):
-            self.costs.record(batch, k, seconds, sampled)
+            self.costs.record(batch, k, seconds, sampled, drafting)
 
     def record(self, request_id: str, seq_id: int, num_draft: int, num_accepted: int) -> None:
         """Statistics of one verification (engine total and per request), and adaptive K's
