@@ -139,8 +139,8 @@ def adaptive_k(llm, on: bool):  # noqa: ANN001, ANN201
     """Adaptive K switched on for one run of the engine that runs every keyserve row.
 
     Why one engine: a second LLM in the same process decoded ~8-10 % slower at batch 8 on the
-    2-core Xeon (plain decoding on both, either order; its weights got fewer transparent huge
-    pages), and the adaptive rows, run on a second engine, read that as adaptive K's cost. The
+    2-core Xeon (plain decoding on both, either order; docs/speculative.md, "Adaptive K"), and
+    the adaptive rows, run on a second engine, read that as adaptive K's cost. The
     step cost model learns only while adaptive K is on (``SpeculativeDecoder.observe_step``), over
     the warm-up and every round, as a server's would; the engine's acceptance prior sees every
     verification, fixed K included, as a server's would."""
