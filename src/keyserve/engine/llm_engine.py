@@ -272,9 +272,10 @@ class LLMEngine:
             self._cost_after_prompt = True
             return
         if after_prompt:
-            # The first decode step after a prompt's forward pays one-off costs: measured 55-64 ms
-            # at batch 8 on 2 cores against 27 ms for the next ones. Taken as a plain baseline
-            # it read a K = 1 step (39 ms) as free, and adaptive K kept drafting at 0.78x plain.
+            # The first decode step after a prompt's forward is not a steady one: traced at 55-64
+            # ms at batch 8 on 2 cores against 27 ms for the next ones (25-32 ms in other runs).
+            # Taken as a plain baseline it read a K = 1 step (39 ms) as free, and adaptive K kept
+            # drafting at 0.78x plain.
             return
         seqs = [self._seqs[it.seq_id] for it in items if it.seq_id in self._seqs]
         drafts = [len(it.draft_token_ids) for it in items]
