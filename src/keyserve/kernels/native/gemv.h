@@ -156,32 +156,11 @@ static inline void ks_pair_permute(const float *x, int in, int vec, float *xp) {
 }
 
 #ifdef KS_GEMV_AVX512
-/* One float32 weight row . x, 64 values a step in four chains, prefetching ahead. */
-static inline __attribute__((always_inline)) float ks_dot_f32_512(const float *x, int in, const float *w) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int i = 0;
-    for (; i + 64 <= in; i += 64) {
-        const char *ahead = (const char *)(w + i) + KS_PREFETCH_BYTES;
-        _mm_prefetch(ahead, _MM_HINT_T0);
-        _mm_prefetch(ahead + 64, _MM_HINT_T0);
-        _mm_prefetch(ahead + 128, _MM_HINT_T0);
-        _mm_prefetch(ahead + 192, _MM_HINT_T0);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(w + i), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(w + i + 16), a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 32), _mm512_loadu_ps(w + i + 32), a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 48), _mm512_loadu_ps(w + i + 48), a3);
-    }
-    for (; i + 16 <= in; i += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(w + i), a0);
-    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a2), _mm512_add_ps(a1, a3)));
-    for (; i < in; i++) s += x[i] * w[i];
-    return s;
-}
-
-/* One float32 weight row against x rows r0..r0+M-1 (M <= 4, constant per call site), each x
- * row summed in exactly ks_dot_f32_512's order (four chains 64 values a step, the same
- * prefetch, the same reduction), so every row's result is bit-identical to the single-row
- * product: a verification step's K + 1 rows give the very logits K + 1 plain decode steps
- * would. The weight row streams once; the x rows come from L1. */
+/* One float32 weight row against x rows r0..r0+M-1 (M <= 4, constant per call site): four
+ * chains per x row, 64 values a step, prefetching ahead. The single-row product is this with
+ * M = 1 (ks_dot_f32_512), so every row's result is bit-identical to it by construction: a
+ * verification step's K + 1 rows give the very logits K + 1 plain decode steps would. The
+ * weight row streams once; the x rows come from L1. */
 static inline __attribute__((always_inline)) void ks_rows_f32_512(
     const float *x, int ldx, int in, const float *w, int r0, int M, float *y, int ldy, int o) {
     __m512 a[4][4];
@@ -212,6 +191,13 @@ static inline __attribute__((always_inline)) void ks_rows_f32_512(
         for (; k < in; k++) s += xr[k] * w[k];
         y[(int64_t)(r0 + r) * ldy + o] = s;
     }
+}
+
+/* One float32 weight row . x: ks_rows_f32_512 with one x row. */
+static inline __attribute__((always_inline)) float ks_dot_f32_512(const float *x, int in, const float *w) {
+    float s;
+    ks_rows_f32_512(x, 0, in, w, 0, 1, &s, 0, 0);
+    return s;
 }
 
 /* 2-8 x rows against float32 weights: one weight row at a time against groups of up to four x
