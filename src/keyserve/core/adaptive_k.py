@@ -112,10 +112,12 @@ class AdaptiveK:
         total = self._tested + self.prior_weight
         return (self._accepted + self.prior_alpha * self.prior_weight) / total if total > 0 else self.prior_alpha
 
-    def _rate(self, relative_cost: Callable[[int], float] | None) -> Callable[[int], float]:
-        """K -> expected tokens per unit time, relative to plain decoding (K = 0 scores 1)."""
+    def _rate(self, relative_cost: Callable[[int], float] | None,
+              alpha: float | None = None) -> Callable[[int], float]:
+        """K -> expected tokens per unit time, relative to plain decoding (K = 0 scores 1), at
+        acceptance ``alpha`` (default: this sequence's estimate)."""
         cost = relative_cost or (lambda k: 1.0 + self.cost_ratio * k)
-        alpha = min(max(self.alpha, 0.0), 1.0)
+        alpha = min(max(self.alpha if alpha is None else alpha, 0.0), 1.0)
         return lambda k: expected_tokens(alpha, k) / (cost(k) if k else 1.0)
 
     def best(self, relative_cost: Callable[[int], float] | None = None) -> int:
@@ -160,7 +162,5 @@ class AdaptiveK:
         failures are left out on purpose: they would also veto the probes that notice a draft
         which starts agreeing again."""
         n = min(max(self.probe_k, 1), self.k_max)
-        alpha = min(max((n + self.prior_alpha * self.prior_weight) / (n + self.prior_weight), 0.0), 1.0)
-        cost = relative_cost or (lambda k: 1.0 + self.cost_ratio * k)
-        best = max(expected_tokens(alpha, k) / cost(k) for k in range(max(self.k_min, 1), self.k_max + 1))
-        return best >= 1.0 + self.switch_margin
+        rate = self._rate(relative_cost, (n + self.prior_alpha * self.prior_weight) / (n + self.prior_weight))
+        return max(rate(k) for k in range(max(self.k_min, 1), self.k_max + 1)) >= 1.0 + self.switch_margin

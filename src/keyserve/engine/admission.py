@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, get_args
 
-from keyserve.core.kv_policy import SCORE_POOLINGS, SCORE_WINDOWS
+from keyserve.core.kv_policy import SCORE_POOLINGS, SCORE_WINDOWS, score_mode
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.engine.errors import InvalidParamError
 from keyserve.types import KVPolicyName
@@ -95,8 +95,7 @@ def _budget(p: SamplingParams, limits: EngineLimits, update: dict[str, Any]) -> 
             raise InvalidParamError(f"{name} must be one of {', '.join(allowed)}, got {_show(value)}", name)
     policy = p.kv_policy or limits.default_kv_policy
     evicts = (p.kv_budget if p.kv_budget is not None else limits.default_kv_budget) is not None
-    if (p.kv_score_pooling == "layer" and evicts and policy not in ("full", "window", "streaming_llm")
-            and limits.has_prefix_store):
+    if p.kv_score_pooling == "layer" and evicts and score_mode(policy) is not None and limits.has_prefix_store:
         # a stored prefix is loaded with its important tokens per kv-head, so the heads of a
         # layer hold different positions and their scores cannot be summed slot by slot; the
         # option only matters when the request (or the server's default) selects by score
