@@ -48,13 +48,21 @@ JSON_PATH = ROOT / "docs" / "kv_quality.json"
 PLOT_PATH = ROOT / "docs" / "kv_quality_rouge2.png"
 POLICIES = ["window", "streaming_llm", "h2o", "keyformer"]
 # The scoring options as named variants (``--policies``; not run by default): TOVA's window (S =
-# the newest query's attention) and pooling (one selection per layer), alone and together.
+# the newest query's attention) and pooling (one selection per layer), alone and together, and
+# ObservedAttention's mean (S over the queries that saw each token).
 VARIANTS: dict[str, tuple[str, str, str]] = {
     "keyformer_last": ("keyformer", "last", "kv_head"),
     "keyformer_layer": ("keyformer", "all", "layer"),
     "keyformer_tova": ("keyformer", "last", "layer"),
     "h2o_tova": ("h2o", "last", "layer"),
+    # kvpress's ObservedAttention: S over the number of queries that attended each token
+    "keyformer_mean": ("keyformer", "mean", "kv_head"),
+    "h2o_mean": ("h2o", "mean", "kv_head"),
 }
+# A press compresses the prompt to budget x n and keeps every generated token, so its cache ends
+# at budget x n + the new tokens; keyserve's k covers the generated tokens too. These variants
+# run a policy at the press's peak memory: k = round(budget x n) + --max-new-tokens.
+PEAK_MEMORY: dict[str, str] = {"keyformer_peak": "keyformer", "h2o_peak": "h2o"}
 BUDGETS = [0.2, 0.3, 0.5, 0.7, 0.9]
 INSTRUCTION = "Summarize the following text in a few sentences.\n\n"
 NOTE = ""  # --note: how a run was made (rendered with its part)
@@ -71,9 +79,18 @@ def kv_bytes_per_token(llm: LLM) -> int:
     return len(llm.engine.runner.kv_caches) * k_cache.shape[2] * k_cache.shape[3] * 2 * k_cache.element_size()
 
 
-def params_for(policy: str, budget: float | None, recent_ratio: float, **kw: Any) -> SamplingParams:
+def params_for(policy: str, budget: float | None, recent_ratio: float, prompt_len: int | None = None,
+               max_new_tokens: int = 0, **kw: Any) -> SamplingParams:
+    """A policy (or variant) at a budget; the peak-memory variants need ``prompt_len`` and the
+    run's ``max_new_tokens`` (their k is round(budget x prompt_len) + max_new_tokens tokens)."""
     if policy == "full":
         return SamplingParams(temperature=0.0, kv_policy="full", **kw)
+    if policy in PEAK_MEMORY:
+        if prompt_len is None or budget is None:
+            raise ValueError(f"{policy} needs the prompt length")
+        k = max(1, int(round(budget * prompt_len))) + max_new_tokens
+        return SamplingParams(temperature=0.0, kv_policy=PEAK_MEMORY[policy], kv_budget=float(k),
+                              recent_ratio=recent_ratio, **kw)
     base, window, pooling = VARIANTS.get(policy, (policy, "all", "kv_head"))
     return SamplingParams(temperature=0.0, kv_policy=base, kv_budget=budget, recent_ratio=recent_ratio,
                           kv_score_window=window, kv_score_pooling=pooling, **kw)
@@ -166,12 +183,13 @@ def run_quality(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any
     def run(name: str, policy: str, budget: float | None, gen_docs: list[str], tf_docs: list[str]) -> None:
         eng = engine().engine
         torch.manual_seed(0)  # Keyformer's Gumbel noise
-        gen = {eng.add_request(prompts[d], params_for(policy, budget, args.recent_ratio,
-                                                      max_tokens=args.max_new_tokens),
+        gen = {eng.add_request(prompts[d], params_for(policy, budget, args.recent_ratio, len(prompts[d]),
+                                                      args.max_new_tokens, max_tokens=args.max_new_tokens),
                                prompt_token_ids=prompts[d]): d for d in gen_docs}
         # Teacher forcing of the full output, batched with the generation (one pass over the
         # weights per step serves both).
-        tf = {eng.add_request(prompts[d], params_for(policy, budget, args.recent_ratio), prompt_token_ids=prompts[d],
+        tf = {eng.add_request(prompts[d], params_for(policy, budget, args.recent_ratio, len(prompts[d]),
+                                                     args.max_new_tokens), prompt_token_ids=prompts[d],
                               forced_token_ids=runs["full"][d]["token_ids"]): d for d in tf_docs}
         what = " + ".join(w for w, x in (("generate", gen), ("perplexity", tf)) if x)
         outs = run_engine(engine(), list(gen) + list(tf), f"{name}: {what}")
@@ -612,7 +630,7 @@ def main() -> None:
     ap.add_argument("--ppl-budgets", type=float, nargs="*", default=None,
                     help="budgets at which to teacher-force the perplexity (default: all)")
     ap.add_argument("--no-ppl", action="store_true", help="skip the teacher-forced perplexity")
-    ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES + list(VARIANTS))
+    ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES + list(VARIANTS) + list(PEAK_MEMORY))
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--recent-ratio", type=float, default=0.3)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)

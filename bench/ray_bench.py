@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.ray_floor import graph_floor  # noqa: E402
 from bench.report import markdown_table, update_section  # noqa: E402
 from bench.workloads import documents  # noqa: E402
 
@@ -170,6 +171,7 @@ def main() -> None:
     from keyserve.actors.ray_engine import RayEngine
     from keyserve.actors.target_shard_actor import check_tp_fits
     from keyserve.config import EngineConfig
+    from keyserve.engine.build import weight_bytes
     from keyserve.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(args.threads)
@@ -194,12 +196,24 @@ def main() -> None:
                     compiled_graph=graph, graph_idle_release_s=IDLE_RELEASE_S))
         rtt = round_trip_ms(engines["ray tp=1 graph"])
         by_batch = {b: interleaved(engines, b, args.decode_tokens, args.repeats) for b in BATCHES}
+        model_bytes = weight_bytes(engines["in-process"].loaded.model)  # type: ignore[attr-defined]
+        for engine in engines.values():
+            if hasattr(engine, "shutdown"):
+                engine.shutdown()
+        engines.clear()
+        floor = graph_floor(model_bytes, args.threads)
+        for shape, f in floor.items():
+            if shape == "read":
+                print(f"driver's read of a ready result: {f}", flush=True)
+                continue
+            print(f"graph floor ({shape}): {f['median']:.2f} ms/step beyond the stand-in's work "
+                  f"(p10 {f['p10']:.2f}, p90 {f['p90']:.2f})", flush=True)
     finally:
         for engine in engines.values():
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
         ray.shutdown()
-    results = {name: {b: by_batch[b][name] for b in BATCHES} for name in engines}
+    results = {name: {b: by_batch[b][name] for b in BATCHES} for name in by_batch[BATCHES[0]]}
 
     base = results["in-process"]
     rows = []
@@ -219,10 +233,30 @@ def main() -> None:
         for b, limit in ((1, 0.05), (16, 0.03)):
             over = r1[b]["orchestration_ms"] - base[b]["orchestration_ms"]
             loss = 1 - r1[b]["tok_s"] / base[b]["tok_s"]
+            floor_share = floor["step-shaped"]["median"] / base[b]["step_ms"]
             targets.append([mode, b, round(over, 2), "yes" if over <= 1.0 else "no",
-                            f"{loss:.1%}", "yes" if loss <= limit else "no"])
+                            f"{loss:.1%}", "yes" if loss <= limit else "no", f"{floor_share:.1%}"])
     target_table = markdown_table(["TP=1 path", "batch", "orchestration ms/step", "<= 1 ms",
-                                   "throughput loss", "<= 5 % (batch 1) / 3 % (batch 16)"], targets)
+                                   "throughput loss", "<= 5 % (batch 1) / 3 % (batch 16)",
+                                   "the graph floor's share of an in-process step"], targets)
+    step_floor, one_floor, idle_floor = floor["step-shaped"], floor["one actor"], floor["step-shaped, idle"]
+    reads = floor["read"]
+    floor_note = (
+        f"**This machine's floor.** A compiled graph of the step's shape (driver -> an actor with two "
+        f"outputs -> an actor -> driver, `bench/ray_floor.py`) whose actors do no engine work -- the "
+        f"first returns its input twice, the second streams {model_bytes / 2**20:.0f} MiB of weights "
+        f"(the model's) through matrix-vector products on {args.threads} thread(s), as a decode step "
+        f"does -- adds {step_floor['median']:.2f} ms per step beyond the second actor's own work "
+        f"(p10 {step_floor['p10']:.2f}, p90 {step_floor['p90']:.2f}); with a single actor (driver -> "
+        f"actor -> driver) {one_floor['median']:.2f} ms (p10 {one_floor['p10']:.2f}). Back to back, the "
+        f"second actor idle, the step-shaped graph adds {idle_floor['median']:.2f} ms. What the wait "
+        f"adds is each process's first steps after it: the driver's read of a result that is already "
+        f"there takes {reads['after 20 ms']:.2f} ms after a 20 ms sleep and {reads['after 0.5 ms']:.2f} ms "
+        f"after 0.5 ms. So on this machine no step of this shape -- the roles the issue keeps: the "
+        f"KV-block manager, then the shards -- can cost less than {step_floor['median']:.2f} ms of "
+        f"orchestration, above the 1 ms target; at batch 1 that floor alone is the share of an "
+        f"in-process step in the last column."
+    )
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     body = (
         f"{args.model or 'SmolLM2-135M-Instruct'}, float32, greedy, {args.decode_tokens} decode tokens per request after "
@@ -235,7 +269,7 @@ def main() -> None:
         f"submit-and-read (or the plain calls) beyond the runner's work. A bare Ray actor call costs "
         f"{rtt:.2f} ms here. Load average when run: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on "
         f"{os.cpu_count()} cores (a shared machine: throughput ratios between processes mostly measure CPU "
-        f"shares).\n\n{table}\n\nTargets (issue 20), TP = 1:\n\n{target_table}\n\n"
+        f"shares).\n\n{table}\n\nTargets (issue 20), TP = 1:\n\n{target_table}\n\n{floor_note}\n\n"
         "TP > 1 on a 2-core machine shows the cost of shards sharing two cores plus two gloo "
         "all-reduces per layer and the logits gather, not a speed-up."
         + "".join(f" Not run: {why}." for why in skipped)

@@ -12,5 +12,5 @@ from typing import Literal
 KVPolicyName = Literal["full", "window", "streaming_llm", "h2o", "keyformer"]
 # Scoring options of H2O and Keyformer (core/kv_policy.py ``KVBudget``): which queries' attention
 # a token's score holds, and whether a layer's kv-heads choose their tokens alone or together.
-ScoreWindow = Literal["all", "last"]
+ScoreWindow = Literal["all", "last", "mean"]
 ScorePooling = Literal["kv_head", "layer"]

@@ -26,7 +26,7 @@ Mutations caught (each applied by hand, seen to fail, reverted):
 - accumulating every verified row, rejected drafts included (``KVBudgetTracker.settle``): S
   after the first verification with a rejection (speculative tests only).
 
-The scoring options (``kv_score_window="last"``, ``kv_score_pooling="layer"``; the replay
+The scoring options (``kv_score_window="last"`` and ``"mean"``, ``kv_score_pooling="layer"``; the replay
 follows them in ``_attend``), mutations caught:
 
 - the prompt's last token not held back for a step of its own (``scheduler._hold_back_last``
@@ -34,7 +34,10 @@ follows them in ``_attend``), mutations caught:
 - S added to instead of replaced under "last" (``KVBudgetState.accumulate``): every "last" test;
 - no pooling (``pool_over_layer`` returning the scores unchanged): every "layer" test;
 - a verification settled with its first accepted row's scores instead of the newest's
-  (``KVBudgetTracker.settle``): the speculative "last" tests.
+  (``KVBudgetTracker.settle``): the speculative "last" tests;
+- ``kv_score_window="mean"`` ranking by S itself (``KVBudgetState.ranking`` ignoring it): the
+  "mean" tests' slot maps; counting one query too many per token (``mean_attention`` dividing by
+  ``next_position - positions + 1``): the "mean" tests' slot maps.
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ def _run(llm: LLM, hf, policy: str, k: int, window: str = "all",
     return out.prompt_token_ids, out.token_ids, snaps, after_step
 
 
-OPTIONS = [("all", "kv_head"), ("last", "kv_head"), ("all", "layer"), ("last", "layer")]
+OPTIONS = [("all", "kv_head"), ("last", "kv_head"), ("all", "layer"), ("last", "layer"), ("mean", "kv_head")]
 
 
 @pytest.mark.parametrize("policy", ["h2o", "keyformer"])
@@ -173,7 +176,7 @@ def test_every_step_equals_the_dense_replay(llm: LLM, hf, policy: str, k: float,
 
 
 @pytest.mark.parametrize("policy", ["h2o", "keyformer"])
-@pytest.mark.parametrize("options", [OPTIONS[0], OPTIONS[3]], ids=["all-kv_head", "last-layer"])
+@pytest.mark.parametrize("options", [OPTIONS[0], OPTIONS[3], OPTIONS[4]], ids=["all-kv_head", "last-layer", "mean-kv_head"])
 def test_speculative_verifications_equal_the_dense_replay(speculative: LLM, hf, policy: str,
                                                           options: tuple[str, str]) -> None:
     """A target under a budget that verifies a draft's tokens: after each settled verification

@@ -31,7 +31,8 @@ class DenseBudgetOracle:
         self.hf = hf_model
         self.policy, self.k = policy, k
         # The scoring options: S = the newest query's attention instead of the sum over all
-        # queries ("last"); one S per layer, the sum over its kv-heads, given to each ("layer").
+        # queries ("last"); tokens ranked by S over the number of queries that attended them
+        # ("mean"); one S per layer, the sum over its kv-heads, given to each ("layer").
         self.window, self.pooling = window, pooling
         self.w = max(0, min(k, int(math.floor(recent_ratio * k + 0.5))))  # round half up
         self.seed = noise.request_seed(seed, 0)
@@ -88,8 +89,9 @@ class DenseBudgetOracle:
             for h in range(self.H):
                 slots, s = self.slot_of[layer][h], self.score[layer][h]
                 if len(slots) >= self.k:
-                    cands = sorted((q for q in slots if q <= p - self.w), key=lambda q: (s[q], q))
-                    [victim] = self._follow(cands, 1, s, slots, follow, layer, h)
+                    r = self._ranking(s, p)
+                    cands = sorted((q for q in slots if q <= p - self.w), key=lambda q: (r[q], q))
+                    [victim] = self._follow(cands, 1, r, slots, follow, layer, h)
                     slot = slots.pop(victim)
                     del s[victim]
                 else:
@@ -121,6 +123,13 @@ class DenseBudgetOracle:
             return 1.0
         return self.tau_init + step * (self.tau_end - self.tau_init) / self.max_tokens
 
+    def _ranking(self, s: dict[int, float], queries: int) -> dict[int, float]:
+        """What eviction orders by: S, or under "mean" S / (queries at or after the position,
+        of the ``queries`` computed so far)."""
+        if self.window != "mean":
+            return s
+        return {q: v / max(1, queries - q) for q, v in s.items()}
+
     def _follow(self, cands: list[int], count: int, s: dict[int, float], slots: dict[int, int],
                 follow: torch.Tensor | None, layer: int, h: int) -> list[int]:
         """The ``count`` positions to evict: the first ``count`` candidates in (S, position) order,
@@ -150,8 +159,9 @@ class DenseBudgetOracle:
                 excess = len(slots) - k
                 if excess <= 0:
                     continue
-                cands = sorted((q for q in slots if q <= newest - self.w), key=lambda q: (s[q], q))
-                for q in self._follow(cands, excess, s, slots, follow, layer, h):
+                r = self._ranking(s, newest + 1)
+                cands = sorted((q for q in slots if q <= newest - self.w), key=lambda q: (r[q], q))
+                for q in self._follow(cands, excess, r, slots, follow, layer, h):
                     del slots[q]
                     del s[q]
                 movers = sorted((slot, q) for q, slot in slots.items() if slot >= k)

@@ -93,7 +93,7 @@ def _budgets_equal_one_process(model: str, tp: int, max_tokens: int, check_held:
     # layer needs every rank's kv-heads (engine/kv_budget/pooling.py: without the exchange each
     # rank would pool its own heads only)
     rules = [(policy, "all", "kv_head") for policy in ("window", "streaming_llm", "h2o", "keyformer")]
-    rules += [("h2o", "last", "layer"), ("keyformer", "all", "layer")]
+    rules += [("h2o", "last", "layer"), ("keyformer", "all", "layer"), ("keyformer", "mean", "kv_head")]
     params = [SamplingParams(max_tokens=max_tokens, temperature=t, seed=s, ignore_eos=True, kv_policy=policy,
                              kv_budget=budget, recent_ratio=0.3, logprobs=True, kv_score_window=window,
                              kv_score_pooling=pooling)

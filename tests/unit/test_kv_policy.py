@@ -627,3 +627,39 @@ def test_last_query_window_replaces_the_scores_instead_of_adding() -> None:
         state.accumulate(first)
         state.accumulate(second)
         torch.testing.assert_close(state.scores, want)
+
+
+def test_mean_window_ranks_by_the_attention_each_query_gave() -> None:
+    """``score_window="mean"`` (kvpress's ObservedAttention): S sums as under "all", but a token
+    is ranked by S over the queries that attended it (its own position and every later one).
+    An old token that collected a large S from many queries loses to a recent one that every
+    query attended strongly; under "all" the old one stays."""
+    # positions 0..5 held, 6 queries so far; S: position 1 gathered 2.0 from 5 queries (0.4 each),
+    # position 4 gathered 0.9 from 2 queries (0.45 each). (Counting one query too many would
+    # flip them: 2.0 / 6 > 0.9 / 3.)
+    scores = torch.tensor([[[3.0, 2.0, 2.5, 2.0, 0.9, 5.0]]])
+    kept = {}
+    for window in ("all", "mean"):
+        state = KVBudgetState(KVBudget.create("h2o", 5, 0.0, score_window=window), 1, 1)
+        state.append(6)
+        state.accumulate(scores)
+        ranking = state.ranking(6)
+        if window == "mean":
+            torch.testing.assert_close(ranking, scores / torch.tensor([6.0, 5, 4, 3, 2, 1]))
+        else:
+            assert torch.equal(ranking, state.scores)
+        state.select_prompt()  # keep 5 of 6
+        kept[window] = sorted(state.positions.flatten().tolist())
+    assert kept["all"] == [0, 1, 2, 3, 5]  # evicts position 4 (S 0.9)
+    assert kept["mean"] == [0, 2, 3, 4, 5]  # evicts position 1 (mean 0.4, the lowest)
+    # decode: the victim before writing position 6 is ranked the same way, one step at a time
+    state = KVBudgetState(KVBudget.create("h2o", 6, 0.0, score_window="mean"), 1, 1)
+    state.append(6)
+    state.accumulate(scores)
+    assert int(state.choose_victims()[0, 0]) == 1
+    state = KVBudgetState(KVBudget.create("h2o", 6, 0.0), 1, 1)
+    state.append(6)
+    state.accumulate(scores)
+    assert int(state.choose_victims()[0, 0]) == 4
+    assert KVBudget.create("keyformer", 8, score_window="mean").averages_scores
+    assert not KVBudget.create("window", 8, score_window="mean").averages_scores

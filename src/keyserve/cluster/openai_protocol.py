@@ -76,7 +76,8 @@ class _SamplingFields(_Request):
         None, description="Share of the KV budget kept recent."
     )
     kv_score_window: ScoreWindow | None = Field(
-        None, description="H2O/Keyformer scores: 'all' queries' attention summed, or the 'last' query's only."
+        None, description="H2O/Keyformer scores: 'all' queries' attention summed, the 'last' query's only, "
+        "or the 'mean' over the queries that saw each token."
     )
     kv_score_pooling: ScorePooling | None = Field(
         None, description="H2O/Keyformer: each 'kv_head' keeps its own tokens, or one set per 'layer'."

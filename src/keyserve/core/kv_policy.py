@@ -92,8 +92,11 @@ class KVBudget:
     # Scoring policies only (the others keep the defaults): ``last`` replaces S with each
     # forward's attention instead of adding it -- the engine then computes a prompt's last token
     # in a step of its own, so S at prompt selection is the last prompt query's attention (TOVA's
-    # window); ``layer`` gives every kv-head of a layer the scores summed over all of them, so
-    # the layer keeps one set of tokens (TOVA's pooling; the runner sums across ranks).
+    # window); ``mean`` sums S as ``all`` does but ranks tokens by S over the number of queries
+    # that have attended each (its own and every later one): the mean attention a token received
+    # (kvpress's ObservedAttention), which does not favour a token for being old; ``layer``
+    # gives every kv-head of a layer the scores summed over all of them, so the layer keeps one
+    # set of tokens (TOVA's pooling; the runner sums across ranks).
     score_window: ScoreWindow = "all"
     score_pooling: ScorePooling = "kv_head"
 
@@ -131,6 +134,11 @@ class KVBudget:
     def last_query_only(self) -> bool:
         """S is the newest query's attention (the prompt's last token gets a step of its own)."""
         return self.by_score and self.score_window == "last"
+
+    @property
+    def averages_scores(self) -> bool:
+        """Tokens are ranked by their mean attention (S / queries that saw them), not by S."""
+        return self.by_score and self.score_window == "mean"
 
     @property
     def pools_layer(self) -> bool:
@@ -176,6 +184,16 @@ def order_key(
     bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
     bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     return (bits.long() << 32) | positions
+
+
+def mean_attention(
+    scores: torch.Tensor,  # [..., num_slots] float32: S, summed over every query so far
+    positions: torch.Tensor,  # [..., num_slots] int64, -1 = empty
+    next_position: int,  # the first position no query has come from yet
+) -> torch.Tensor:  # [..., num_slots] float32
+    """S / the number of queries that attended each token: those at its own position and after,
+    up to ``next_position`` - 1 (causal attention). Empty slots get a count of at least 1."""
+    return scores / (next_position - positions).clamp(min=1).to(scores.dtype)
 
 
 def choose_victims_batched(
@@ -445,6 +463,13 @@ class KVBudgetState:
         self.num_slots = n
         self.num_tokens = num_tokens
 
+    def ranking(self, next_position: int) -> torch.Tensor:  # [num_layers, num_kv_heads, num_slots]
+        """What eviction ranks by, before the token at ``next_position`` is computed: S, or
+        its mean over the queries so far under ``score_window="mean"``."""
+        if self.kv_budget.averages_scores:
+            return mean_attention(self.scores, self.positions, next_position)
+        return self.scores
+
     # -- decode --------------------------------------------------------------------------------
     def choose_victims(self, new_position: int | None = None) -> torch.Tensor:  # [L, H] int64
         """Slot per (layer, head) for the next token ("evict, then write"); updates the state."""
@@ -485,7 +510,7 @@ class KVBudgetState:
             return self._identity()
         rule = self.kv_budget if k == self.kv_budget.budget else self.kv_budget.with_budget(k)
         mask = select_keep_mask(
-            self.positions, self.scores, k, self.num_tokens - 1,
+            self.positions, self.ranking(self.num_tokens), k, self.num_tokens - 1,
             rule.num_sinks, rule.num_recent, rule.by_score,
         )
         evicted_now = self.num_slots - k
@@ -553,7 +578,7 @@ def choose_victims_batch(
         slots = _stacked_victims(states, newp)
     else:
         slots = torch.stack([
-            choose_victims_one(s.positions, s.scores, p, s.kv_budget.num_sinks, s.kv_budget.num_recent,
+            choose_victims_one(s.positions, s.ranking(p), p, s.kv_budget.num_sinks, s.kv_budget.num_recent,
                                s.kv_budget.by_score)
             if e else torch.full((s.num_layers, s.num_kv_heads), s.num_slots, device=dev)
             for s, p, e in zip(states, newp, evict)
@@ -571,7 +596,7 @@ def _stacked_victims(states: Sequence[KVBudgetState], newp: list[int]) -> torch.
     sc = torch.zeros(pos.shape, dtype=torch.float32, device=dev)
     for b, s in enumerate(states):
         pos[b, ..., : s.num_slots] = s.positions
-        sc[b, ..., : s.num_slots] = s.scores
+        sc[b, ..., : s.num_slots] = s.ranking(newp[b])
     as_t = lambda xs, dtype=torch.long: torch.tensor(xs, dtype=dtype, device=dev)  # noqa: E731
     slots, _ = choose_victims_batched(
         pos,

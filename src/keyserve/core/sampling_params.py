@@ -64,7 +64,8 @@ class SamplingParams(BaseModel):
     tau_end: float = Field(2.0, gt=0.0, le=100.0, description="Keyformer's final Gumbel temperature.")
     kv_score_window: ScoreWindow = Field(
         "all", description="H2O/Keyformer: 'all' sums every query's attention into a token's score; "
-        "'last' scores by the newest query's attention only (TOVA's window)."
+        "'last' scores by the newest query's attention only (TOVA's window); 'mean' ranks by the "
+        "summed attention over the number of queries that saw the token (kvpress's ObservedAttention)."
     )
     kv_score_pooling: ScorePooling = Field(
         "kv_head", description="H2O/Keyformer: 'kv_head' lets each kv-head keep its own tokens; "
