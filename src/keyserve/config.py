@@ -195,6 +195,12 @@ class ParallelConfig(_Strict):
         default_factory=dict,
         description="Custom Ray resources of the draft actor (e.g. to put it on another node).",
     )
+    actor_niceness: int | None = Field(
+        0, ge=0, le=19, description="Niceness the engine's actor processes (target shards, draft, KV-block "
+        "manager) start at. Ray starts worker processes at 15, below the driver or Serve replica that "
+        "steps the engine, so on a busy node the shards wait for it; 0 runs them at the driver's. "
+        "None keeps Ray's default."
+    )
     kv_manager_num_cpus: float = Field(
         0.0, ge=0.0, description="CPUs reserved for the KV-block manager actor (bookkeeping only)."
     )

@@ -6,9 +6,11 @@ log-probabilities; and it streams through the async front."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import pytest
+import ray
 import torch
 
 from keyserve import LLM, SamplingParams
@@ -108,6 +110,11 @@ def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_
         assert engine.speculative.stats.num_draft_tokens > 0
         assert 0 < engine.speculative.stats.acceptance_rate < 1
         engine.flush()
+        # every engine actor runs at the driver's niceness (ParallelConfig.actor_niceness = 0),
+        # not at the 15 Ray starts its pooled workers at (checked: 15 without the runtime_env)
+        actors = [*engine.group.workers, engine.core_client.actor, engine.drafter_client.actor]
+        niceness = [a.__ray_call__.remote(lambda _: os.getpriority(os.PRIO_PROCESS, 0)) for a in actors]
+        assert ray.get(niceness) == [0] * len(actors)
         draft = engine.drafter_client.stats()
         assert draft["num_free_blocks"] == draft["num_blocks"] and draft["num_mirrors"] == 0
     _same(prompts, want, got)

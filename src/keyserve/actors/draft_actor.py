@@ -17,7 +17,7 @@ import ray
 import torch
 from ray.exceptions import RayError
 
-from keyserve.actors.common import ACTOR_LOST, kill_actor, new_incarnation
+from keyserve.actors.common import ACTOR_LOST, actor_runtime_env, kill_actor, new_incarnation
 from keyserve.config import ParallelConfig
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import Sequence
@@ -174,7 +174,7 @@ class RemoteDrafter:
         p = self.parallel
         return ray.remote(DraftActor).options(
             num_cpus=p.draft_num_cpus, num_gpus=self.num_gpus, resources=dict(p.draft_resources),
-            max_restarts=p.max_restarts,
+            max_restarts=p.max_restarts, runtime_env=actor_runtime_env(p.actor_niceness),
         ).remote(self.args)
 
     @property

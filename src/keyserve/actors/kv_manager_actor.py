@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import RayError
 
-from keyserve.actors.common import ACTOR_LOST, CoreLost, kill_actor, new_incarnation
+from keyserve.actors.common import ACTOR_LOST, CoreLost, actor_runtime_env, kill_actor, new_incarnation
 from keyserve.config import ParallelConfig
 from keyserve.core.sequence import FinishReason, Sequence
 from keyserve.engine.build import KVCoreArgs, build_core
@@ -145,7 +145,7 @@ class RemoteCore:
         p = self.parallel
         return ray.remote(KVManagerActor).options(
             num_cpus=p.kv_manager_num_cpus, resources=dict(p.kv_manager_resources),
-            max_restarts=p.max_restarts,
+            max_restarts=p.max_restarts, runtime_env=actor_runtime_env(p.actor_niceness),
         ).remote(self.args)
 
     # ------------------------------------------------------ KVCore interface

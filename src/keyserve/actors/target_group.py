@@ -14,7 +14,7 @@ from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from keyserve.actors.common import ACTOR_LOST, ShardLost, alive, kill_actor
+from keyserve.actors.common import ACTOR_LOST, ShardLost, actor_runtime_env, alive, kill_actor
 from keyserve.actors.target_shard_actor import TargetShardActor, ShardArgs, check_tp_fits
 from keyserve.config import ParallelConfig
 from keyserve.engine.step_input import RunnerOp, StepInput, StepOutput
@@ -63,6 +63,7 @@ class TargetGroup:
                 num_gpus=self.num_gpus,
                 resources=dict(p.worker_resources),
                 max_restarts=0,  # a lone restarted shard cannot rejoin the process group
+                runtime_env=actor_runtime_env(p.actor_niceness),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
                 name=None,
             ).remote(i, self.tp, self.args)
