@@ -130,6 +130,9 @@ def interleaved(engines: dict[str, object], batch: int, decode_tokens: int, repe
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
     for _ in range(repeats):
         for name, engine in engines.items():
+            # the engine before has its graph's actors busy-waiting until its idle release: at the
+            # same niceness as the engine timed next, they would take its cores for that long
+            time.sleep(IDLE_RELEASE_S + 0.3)
             runs[name].append(decode(engine, batch, decode_tokens))
     out = {}
     for name, results in runs.items():

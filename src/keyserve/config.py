@@ -196,10 +196,9 @@ class ParallelConfig(_Strict):
         description="Custom Ray resources of the draft actor (e.g. to put it on another node).",
     )
     actor_niceness: int | None = Field(
-        0, ge=0, le=19, description="Niceness the engine's actor processes (target shards, draft, KV-block "
-        "manager) start at. Ray starts worker processes at 15, below the driver or Serve replica that "
-        "steps the engine, so on a busy node the shards wait for it; 0 runs them at the driver's. "
-        "None keeps Ray's default."
+        None, ge=0, le=19, description="Niceness the engine's actor processes (target shards, draft, "
+        "KV-block manager) start at; None: Ray's (pooled workers start at 15, below a driver at 0). "
+        "0 runs them at a script driver's niceness, each in a process started for it (~1 s more)."
     )
     kv_manager_num_cpus: float = Field(
         0.0, ge=0.0, description="CPUs reserved for the KV-block manager actor (bookkeeping only)."

@@ -104,14 +104,14 @@ def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_
     opts = dict(OPTIONS, draft=draft_dir, draft_kv_policy=draft_kv_policy,
                 draft_kv_budget=0.5 if draft_kv_policy else None)
     want = LLM(stories_path, **opts).generate(prompts, params)
-    with RayLLM(stories_path, worker_threads=1, **opts) as ray_llm:
+    with RayLLM(stories_path, worker_threads=1, actor_niceness=0, **opts) as ray_llm:
         got = ray_llm.generate(prompts, params)
         engine = ray_llm.engine
         assert engine.speculative.stats.num_draft_tokens > 0
         assert 0 < engine.speculative.stats.acceptance_rate < 1
         engine.flush()
-        # every engine actor runs at the driver's niceness (ParallelConfig.actor_niceness = 0),
-        # not at the 15 Ray starts its pooled workers at (checked: 15 without the runtime_env)
+        # actor_niceness=0: every engine actor runs at niceness 0, not at the 15 Ray starts its
+        # pooled workers at (checked: 15 without the option)
         actors = [*engine.group.workers, engine.core_client.actor, engine.drafter_client.actor]
         niceness = [a.__ray_call__.remote(lambda _: os.getpriority(os.PRIO_PROCESS, 0)) for a in actors]
         assert ray.get(niceness) == [0] * len(actors)
