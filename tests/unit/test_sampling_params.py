@@ -37,7 +37,7 @@ INVALID = [
     ({"stop": ["ok", ""]}, "stop", "non-empty"),
     ({"stop": ""}, "stop", "non-empty"),
     ({"kv_policy": "lru"}, "kv_policy", "'full', 'window', 'streaming_llm', 'h2o' or 'keyformer'"),
-    ({"kv_score_window": "first"}, "kv_score_window", "'all' or 'last'"),
+    ({"kv_score_window": "first"}, "kv_score_window", "'all', 'last' or 'mean'"),
     ({"kv_score_pooling": "head"}, "kv_score_pooling", "'kv_head' or 'layer'"),
     ({"top_k": 1.5}, "top_k", "integer"),
     ({"temperature": "hot"}, "temperature", "number"),
