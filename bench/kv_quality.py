@@ -63,6 +63,14 @@ VARIANTS: dict[str, tuple[str, str, str]] = {
 # at budget x n + the new tokens; keyserve's k covers the generated tokens too. These variants
 # run a policy at the press's peak memory: k = round(budget x n) + --max-new-tokens.
 PEAK_MEMORY: dict[str, str] = {"keyformer_peak": "keyformer", "h2o_peak": "h2o"}
+ALL_POLICIES = POLICIES + list(VARIANTS) + list(PEAK_MEMORY)  # what --policies accepts
+
+
+def base_policy(name: str) -> str:
+    """The KV policy a policy or variant runs (``keyformer_peak`` -> ``keyformer``)."""
+    return PEAK_MEMORY.get(name) or VARIANTS.get(name, (name,))[0]
+
+
 BUDGETS = [0.2, 0.3, 0.5, 0.7, 0.9]
 INSTRUCTION = "Summarize the following text in a few sentences.\n\n"
 NOTE = ""  # --note: how a run was made (rendered with its part)
@@ -89,7 +97,7 @@ def params_for(policy: str, budget: float | None, recent_ratio: float, prompt_le
         if prompt_len is None or budget is None:
             raise ValueError(f"{policy} needs the prompt length")
         k = max(1, int(round(budget * prompt_len))) + max_new_tokens
-        return SamplingParams(temperature=0.0, kv_policy=PEAK_MEMORY[policy], kv_budget=float(k),
+        return SamplingParams(temperature=0.0, kv_policy=base_policy(policy), kv_budget=float(k),
                               recent_ratio=recent_ratio, **kw)
     base, window, pooling = VARIANTS.get(policy, (policy, "all", "kv_head"))
     return SamplingParams(temperature=0.0, kv_policy=base, kv_budget=budget, recent_ratio=recent_ratio,
@@ -630,7 +638,7 @@ def main() -> None:
     ap.add_argument("--ppl-budgets", type=float, nargs="*", default=None,
                     help="budgets at which to teacher-force the perplexity (default: all)")
     ap.add_argument("--no-ppl", action="store_true", help="skip the teacher-forced perplexity")
-    ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES + list(VARIANTS) + list(PEAK_MEMORY))
+    ap.add_argument("--policies", nargs="+", default=POLICIES, choices=ALL_POLICIES)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--recent-ratio", type=float, default=0.3)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)

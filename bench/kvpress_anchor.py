@@ -36,7 +36,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.kv_quality import BUDGETS, INSTRUCTION, PEAK_MEMORY, POLICIES, VARIANTS  # noqa: E402
+from bench.kv_quality import ALL_POLICIES, BUDGETS, INSTRUCTION, base_policy  # noqa: E402
 from bench.peers import kvpress_env  # noqa: E402
 from bench.report import command_line, machine_description, markdown_table, update_section  # noqa: E402
 
@@ -173,8 +173,7 @@ def render(rep: dict[str, Any]) -> str:
     d_lp = markdown_table(["log-PPL difference"] + [f"{b * 100:g} %" for b in budgets], ldiffs)
     # Target: Keyformer at least as good as the best press at every budget >= 30 %.
     checks = []
-    keyformers = [m for m in rep["keyserve"]
-                  if m == "keyformer" or VARIANTS.get(m, ("",))[0] == "keyformer" or PEAK_MEMORY.get(m) == "keyformer"]
+    keyformers = [m for m in rep["keyserve"] if base_policy(m) == "keyformer"]
     for b, kf_name in [(x, m) for x in budgets if x >= 0.3 for m in keyformers]:
         kf = cfg.get(key(kf_name, b))
         pr = [(m, cfg[key(m, b)]) for m in rep["presses"]
@@ -319,7 +318,7 @@ def main() -> None:
             "nll": [full_runs[d]["nll"] for d in names], "counts": [len(full_runs[d]["token_ids"]) for d in names]}
     full["ppl"] = math.exp(sum(full["nll"]) / sum(full["counts"]))
     configs: dict[str, Any] = {}
-    for p in POLICIES + list(VARIANTS) + list(PEAK_MEMORY):  # the variants where they were run
+    for p in ALL_POLICIES:  # the variants where they were run
         for b in budgets:
             runs = ks["runs"].get(key(p, b), {})
             if all(d in runs and "token_ids" in runs[d] for d in names):
@@ -354,7 +353,7 @@ def main() -> None:
            "kvpress_version": versions[0] if versions else "?",
            "transformers_version": versions[1] if len(versions) > 1 else "?",
            "max_new_tokens": args.max_new_tokens,
-           "budgets": sorted(b for b in budgets if any(key(PREFIX + m, b) in configs for m in args.presses)), "keyserve": [p for p in POLICIES + list(VARIANTS) + list(PEAK_MEMORY) if any(key(p, b) in configs for b in budgets)],
+           "budgets": sorted(b for b in budgets if any(key(PREFIX + m, b) in configs for m in args.presses)), "keyserve": [p for p in ALL_POLICIES if any(key(p, b) in configs for b in budgets)],
            "presses": [PREFIX + p for p in args.presses], "docs": [{"name": d, "prompt_tokens": len(prompts[d])} for d in names],
            "configs": configs, "none_check": none_check}
     body = render(rep)

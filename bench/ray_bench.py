@@ -130,8 +130,8 @@ def interleaved(engines: dict[str, object], batch: int, decode_tokens: int, repe
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
     for _ in range(repeats):
         for name, engine in engines.items():
-            # the engine before has its graph's actors busy-waiting until its idle release: at the
-            # same niceness as the engine timed next, they would take its cores for that long
+            # the engine before has its graph's actors busy-waiting until its idle release: they
+            # would take cores from the engine timed next for that long
             time.sleep(IDLE_RELEASE_S + 0.3)
             runs[name].append(decode(engine, batch, decode_tokens))
     out = {}
@@ -140,6 +140,14 @@ def interleaved(engines: dict[str, object], batch: int, decode_tokens: int, repe
         print(f"{name:16s} batch {batch:2d}: {r['tok_s']:8.1f} tok/s  {r['step_ms']:8.2f} ms/step  "
               f"outside the runner {r['orchestration_ms']:.2f} ms  waiting in Ray {r['ray_ms']:.2f} ms", flush=True)
     return out
+
+
+def shut_down(engines: dict[str, object]) -> None:
+    """Stop every Ray engine (their actors) and forget them all."""
+    for engine in engines.values():
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()
+    engines.clear()
 
 
 def round_trip_ms(engine, n: int = 200) -> float:
@@ -200,10 +208,7 @@ def main() -> None:
         rtt = round_trip_ms(engines["ray tp=1 graph"])
         by_batch = {b: interleaved(engines, b, args.decode_tokens, args.repeats) for b in BATCHES}
         model_bytes = weight_bytes(engines["in-process"].loaded.model)  # type: ignore[attr-defined]
-        for engine in engines.values():
-            if hasattr(engine, "shutdown"):
-                engine.shutdown()
-        engines.clear()
+        shut_down(engines)  # the floor is timed alone
         floor = graph_floor(model_bytes, args.threads)
         for shape, f in floor.items():
             if shape == "read":
@@ -212,9 +217,7 @@ def main() -> None:
             print(f"graph floor ({shape}): {f['median']:.2f} ms/step beyond the stand-in's work "
                   f"(p10 {f['p10']:.2f}, p90 {f['p90']:.2f})", flush=True)
     finally:
-        for engine in engines.values():
-            if hasattr(engine, "shutdown"):
-                engine.shutdown()
+        shut_down(engines)
         ray.shutdown()
     results = {name: {b: by_batch[b][name] for b in BATCHES} for name in by_batch[BATCHES[0]]}
 

@@ -19,7 +19,7 @@ import ray
 import torch
 from ray.dag import InputNode, MultiOutputNode
 
-ROWS = 4096  # each weight tile is [ROWS, cols] float32
+ROWS = 4096  # each weight tile is [ROWS, ROWS] float32
 
 
 @ray.remote(num_cpus=0.1)
