@@ -11,11 +11,13 @@ from collections.abc import Callable
 
 import pytest
 import ray
+from ray.exceptions import RayActorError
 
 from helpers.drive import run_with_action
 
 from keyserve import LLM, SamplingParams
 from keyserve.actors.ray_engine import RayEngine
+from keyserve.actors.step_graph import StepGraph
 from keyserve.llm import RayLLM
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -112,4 +114,32 @@ def test_target_shard_killed(engine: RayEngine, reference: LLM) -> None:
     group = engine.group
     got = _run(engine, prompts, params, lambda: ray.kill(group.workers[1]))
     assert group.num_restarts == 1
+    _check(engine, reference, prompts, params, got)
+
+
+def test_kv_manager_lost_after_the_shards_sampled(engine: RayEngine, reference: LLM, monkeypatch) -> None:
+    """The lost step: the shards ran a step (rank 0 drew for the seeded requests) but the
+    KV-block manager died before the driver read it, so its tokens never arrive and the step is
+    scheduled again after the recovery. The seeded requests still emit the reference's tokens
+    (their generators rewind, ``core.generator_marks``). The fault is timed by hand here (Ray's
+    teardown outrunning the driver's read happens only now and then): the step's real result
+    is dropped as the actor is killed."""
+    prompts, params = _workload(2, seeded_plain=True)
+    core = engine.core_client
+    losses = core.num_losses
+    real_run = StepGraph.run
+    calls = []
+
+    def run(graph: StepGraph, request, batch):
+        result = real_run(graph, request, batch)
+        calls.append(result)
+        if len(calls) == 5:  # a decoding step: every seeded request sampled in it
+            ray.kill(core.actor, no_restart=False)
+            raise RayActorError()
+        return result
+
+    monkeypatch.setattr(StepGraph, "run", run)
+    got = _run(engine, prompts, params, lambda: None)
+    monkeypatch.undo()
+    assert core.num_losses == losses + 1
     _check(engine, reference, prompts, params, got)

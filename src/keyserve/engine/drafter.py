@@ -35,6 +35,7 @@ import torch
 from keyserve.config import SpeculativeConfig
 from keyserve.core.block_manager import BlockManager
 from keyserve.core.kv_policy import KVBudget
+from keyserve.core.generator_marks import GeneratorMarks
 from keyserve.core.sampler import SamplingTensors, exponential_noise, make_generator, processed_probs, row_argmax
 from keyserve.core.sequence import Sequence
 from keyserve.engine.kv_budget.resolve import resolve_budget
@@ -86,6 +87,8 @@ class Drafter:
         self.budget = budget or DraftBudget()
         self.mirrors: dict[int, Sequence] = {}
         self.generators: dict[int, torch.Generator | None] = {}
+        self.generator_marks = GeneratorMarks()  # a proposal made again draws the same
+        self.synced: dict[int, tuple[int, int]] = {}  # target seq_id -> (its tokens, KV kept) at the last sync
         self.mirror_budgets: dict[int, KVBudget] = {}  # target seq_id -> the budget of its mirror
         self.settled: dict[int, int] = {}  # target seq_id -> tokens valid at the last settle
         self.undraftable: set[int] = set()  # target seq_ids whose drafting raised: never drafted
@@ -104,6 +107,7 @@ class Drafter:
             if kv_budget is not None:
                 self.mirror_budgets[target.seq_id] = kv_budget
                 mirror.kv_budget = kv_budget  # never offered as a cached prefix
+            self.synced[target.seq_id] = (len(tokens), 0)
             return mirror
         old = mirror.token_ids
         # KV is valid for the computed tokens that still agree with the target. Only the tail
@@ -114,6 +118,12 @@ class Drafter:
             if old[i] != tokens[i]:
                 common = i
                 break
+        # A proposal made again for the same tokens (its step was lost) starts where the first
+        # one did, so it computes, and drafts, exactly the same.
+        last = self.synced.get(target.seq_id)
+        if last is not None and last[0] == len(tokens):
+            common = min(common, last[1])
+        self.synced[target.seq_id] = (len(tokens), common)
         mirror.prompt_token_ids = list(tokens)
         mirror.output_token_ids = []
         mirror.num_computed_tokens = common
@@ -165,6 +175,8 @@ class Drafter:
         self.undraftable.discard(target.seq_id)
         mirror = self.mirrors.pop(target.seq_id, None)
         self.generators.pop(target.seq_id, None)
+        self.generator_marks.drop(target.seq_id)
+        self.synced.pop(target.seq_id, None)
         self.mirror_budgets.pop(target.seq_id, None)
         self.settled.pop(target.seq_id, None)
         if mirror is not None:
@@ -177,6 +189,8 @@ class Drafter:
             self.runner.release(mirror.seq_id)
         self.mirrors.clear()
         self.generators.clear()
+        self.generator_marks.clear()
+        self.synced.clear()
         self.mirror_budgets.clear()
         self.settled.clear()
         self.undraftable.clear()
@@ -256,6 +270,8 @@ class Drafter:
         st_all = SamplingTensors.from_params([t.params for t in targets])
         proposed = [0] * b
         mirrors = [self._sync(t) for t in targets]
+        for t in targets:
+            self.generator_marks.before_draws(t.seq_id, self.generators[t.seq_id], len(t.output_token_ids))
         active = [i for i in range(b) if num_draft[i] > 0]
         for step in range(k_max):
             decode, chunks = [], []  # (row, new tokens): one-token decodes first, like the target's

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from keyserve.core.block_manager import BlockCopy
+from keyserve.core.generator_marks import GeneratorMarks
 from keyserve.core.sampler import SamplingTensors, make_generator, sample
 from keyserve.core.spec_decode import verify_drafts
 from keyserve.engine.cuda_graphs import DecodeGraphs
@@ -96,6 +97,8 @@ class ModelRunner:
         self.is_driver = is_driver  # tensor-parallel rank 0: the one that samples
         self.seq_infos: dict[int, SeqInfo] = {}
         self.generators: dict[int, torch.Generator | None] = {}
+        # A step run again (its tokens never reached the engine) draws what it drew before.
+        self.generator_marks = GeneratorMarks()
         self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps (build_runner sets them)
 
     # -------------------------------------------------------------- state ops
@@ -128,6 +131,7 @@ class ModelRunner:
         self.budget.release_id(seq_id)
         self.seq_infos.pop(seq_id, None)
         self.generators.pop(seq_id, None)
+        self.generator_marks.drop(seq_id)
 
     # ----------------------------------------------------------------- inputs
     def prepare(self, step: StepInput, failed: dict[int, str] | None = None) -> ModelInputs | None:
@@ -327,6 +331,7 @@ class ModelRunner:
                 continue
             out.tokens[item.seq_id] = [token]  # type: ignore[list-item]
             out.logprobs[item.seq_id] = [float(lp)]
+        self._mark_generators(sampled, verify)
         if targets:  # before verification: both may draw from the global RNG, in this order
             self._sample(targets, all_logits[: len(targets)], out)
         if verify:
@@ -337,6 +342,14 @@ class ModelRunner:
                 if item.budget is not None:
                     out.kv_stats[item.seq_id] = self.budget.settled_stats(item, out.num_accepted[item.seq_id])
         return out
+
+    def _mark_generators(self, sampled: list[StepItem], verify: list[StepItem]) -> None:
+        """Before any draw: each seeded sequence's generator at its tokens so far (rewound if
+        this step ran before, see ``core.generator_marks``)."""
+        marks, gens = self.generator_marks, self.generators
+        for item in itertools.chain(sampled, verify):
+            for seq_id in item.sample_seq_ids if not item.draft_token_ids else [item.seq_id]:
+                marks.before_draws(seq_id, gens.get(seq_id), item.num_output_tokens)
 
     def _sample(self, targets: list[int], logits: torch.Tensor, out: StepOutput) -> None:
         """One token per target row (``logits`` [len(targets), vocab]). If the batch raises,
