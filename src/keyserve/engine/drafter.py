@@ -34,8 +34,8 @@ import torch
 
 from keyserve.config import SpeculativeConfig
 from keyserve.core.block_manager import BlockManager
-from keyserve.core.kv_policy import KVBudget
 from keyserve.core.generator_marks import GeneratorMarks
+from keyserve.core.kv_policy import KVBudget
 from keyserve.core.sampler import SamplingTensors, exponential_noise, make_generator, processed_probs, row_argmax
 from keyserve.core.sequence import Sequence
 from keyserve.engine.kv_budget.resolve import resolve_budget
