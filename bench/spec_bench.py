@@ -7,6 +7,9 @@ transformers' assisted generation (``generate(..., assistant_model=draft)``, a c
 the very same draft weights (``keyserve.training.hf.draft_for_transformers``), at temperature 0
 and 0.8, batch 1 and batch 8 (transformers' assisted generation takes one sequence at a time,
 so it has batch-1 rows only). Every output is forced to its length (EOS ignored) on both sides.
+With ``--ray`` also the Ray engine (TP = 1, compiled step graph) at batch 1: one without a draft
+(its own plain decoding) and one with the draft actor at each K and adaptive K, taking their
+turns in the same rounds (the ``ray`` rows; their speed-up is over the Ray engine's plain row).
 
 So that a reader can trust it: every configuration runs the same ``--num-prompts`` prompts
 (16 distinct by default) x ``--max-tokens`` (128); every contender gets an untimed warm-up of
@@ -72,11 +75,12 @@ PROMPTS = [
 ]
 # issue 19, one run: batch 1 T = 0 >= 1.8x plain keyserve, T = 0.8 >= 1.4x, batch 8 >= 1.1x
 TARGETS = {(1, 0.0): 1.8, (1, 0.8): 1.4, (8, 0.0): 1.1, (8, 0.8): 1.1}
+RAY_TARGETS = {0.0: 1.5}  # issue 19: the Ray engine with the draft actor, batch 1, over its own plain decoding
 
 
 @dataclass
 class Row:
-    engine: str  # "keyserve" | "transformers"
+    engine: str  # "keyserve" | "ray" (the Ray engine, TP = 1) | "transformers"
     batch: int
     temperature: float
     k: int  # 0 = no speculation
@@ -115,9 +119,11 @@ def keyserve_run(llm, batch: int, temperature: float, k: int, prompts: list[str]
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=i,
                               speculative=k > 0, num_speculative_tokens=k or None)
 
-    llm.engine.block_manager.reset_prefix_cache()
+    ray = hasattr(llm.engine, "core_client")  # RayEngine: built without prefix caching instead
+    if not ray:
+        llm.engine.block_manager.reset_prefix_cache()
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-    row = Row("keyserve", batch, temperature, k, 0, 0.0, adaptive=adaptive)
+    row = Row("ray" if ray else "keyserve", batch, temperature, k, 0, 0.0, adaptive=adaptive)
     for group in groups:
         t = time.perf_counter()
         outs = llm.generate(group, [params(i) for i in range(len(group))], chat=True)
@@ -145,6 +151,10 @@ def adaptive_k(llm, on: bool):  # noqa: ANN001, ANN201
     the warm-up and every round, as a server's would; the engine's acceptance prior sees every
     verification, fixed K included, as a server's would."""
     policy = llm.engine.speculative
+    if policy is None:  # an engine without a draft (the Ray engine's plain rows)
+        assert not on
+        yield
+        return
     before = policy.config
     if on:
         policy.config = before.model_copy(update={"adaptive_k": True})
@@ -449,10 +459,14 @@ def render(rows: list[Row], meta: dict) -> str:
     ours = [m for m in agg.values() if m.first.engine == "keyserve"]
     theirs = {(m.first.temperature, m.first.k): m for m in agg.values() if m.first.engine == "transformers"}
     base = {(m.first.batch, m.first.temperature): m.median for m in ours if m.first.k == 0}
+    ray_rows = [m for m in agg.values() if m.first.engine == "ray"]
+    ray_base = {(m.first.batch, m.first.temperature): m.median for m in ray_rows if m.first.k == 0}
     table = []
-    order = lambda m: (m.first.batch, m.first.temperature, m.first.engine != "keyserve", m.first.adaptive, m.first.k)  # noqa: E731
+    engines = ("keyserve", "ray", "transformers")
+    order = lambda m: (m.first.batch, m.first.temperature, engines.index(m.first.engine), m.first.adaptive, m.first.k)  # noqa: E731
     for m in sorted(agg.values(), key=order):
-        r, b = m.first, base.get((m.first.batch, m.first.temperature))
+        r = m.first
+        b = (ray_base if r.engine == "ray" else base).get((r.batch, r.temperature))
         hf = theirs.get((r.temperature, r.k)) if r.batch == 1 and r.k and not r.adaptive else None
         table.append([
             r.engine + (" adaptive" if r.adaptive else ""), r.batch, r.temperature, m.label, m.tokens,
@@ -487,6 +501,16 @@ def render(rows: list[Row], meta: dict) -> str:
                             f"**{'met' if ad.median >= plain else 'NOT met'}** ({ad.median / plain:.2f}×, "
                             f"rounds {ad.spread} tok/s against plain "
                             f"{agg[('keyserve', False, batch, temp, 0)].spread})")
+    for temp in sorted({m.first.temperature for m in ray_rows}):
+        plain = ray_base.get((1, temp))
+        spec = [m for m in ray_rows if m.first.k and m.first.batch == 1 and m.first.temperature == temp]
+        if plain and spec:
+            top = max(spec, key=lambda m: m.median)
+            target = RAY_TARGETS.get(temp)
+            verdicts.append(f"the Ray engine with the draft actor, batch 1, T = {temp}"
+                            + (f": ≥ {target}× its own plain decoding — **{'met' if top.median / plain >= target else 'NOT met'}**"
+                               if target else " against its own plain decoding")
+                            + f" ({top.median / plain:.2f}×, {top.label}: {top.median:.1f} against {plain:.1f} tok/s)")
     same_k = [ks.median / hf.median for ks in ours for hf in [theirs.get((ks.first.temperature, ks.first.k))]
               if hf and ks.first.batch == 1 and ks.first.k and not ks.first.adaptive]
     plain_ratio = [base[(1, t)] / hf.median for (t, k), hf in theirs.items() if k == 0 and (1, t) in base]
@@ -523,7 +547,8 @@ def render(rows: list[Row], meta: dict) -> str:
         "bonus/recovered token; tokens = per round):",
         "",
         markdown_table(["engine", "batch", "temperature", "K", "tokens", "tok/s", "spread tok/s", "acceptance",
-                        "tokens / target forward", "vs keyserve no spec", "vs transformers assisted, same K"],
+                        "tokens / target forward", "vs the same engine without a draft",
+                        "vs transformers assisted, same K"],
                        table),
         "",
         "The speed-up at K is about (tokens per target forward) ÷ (cost of a speculative step ÷ cost of a plain "
@@ -587,6 +612,10 @@ def main() -> None:
     ap.add_argument("--skip-adaptive", action="store_true", help="no adaptive-K rows")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers rows")
+    ap.add_argument("--ray", action="store_true",
+                    help="also the Ray engine (TP = 1, draft actor) at batch 1 against its own plain decoding")
+    ap.add_argument("--ray-temperatures", type=float, nargs="+", default=sorted(RAY_TARGETS),
+                    help="temperatures of the Ray rows (default: those with a target)")
     ap.add_argument("--json", type=Path, default=DOCS / "bench_spec.json")
     ap.add_argument("--render", action="store_true", help="re-render --json without measuring")
     ap.add_argument("--no-write", action="store_true", help="print only: no json, plot or BENCHMARKS.md")
@@ -630,6 +659,27 @@ def main_step_cost(args: argparse.Namespace) -> None:
                        "phase (issue 19)", body)
 
 
+RAY_IDLE_RELEASE_S = 0.3  # the Ray engines' graph idle release in this bench (default 2 s)
+
+
+def ray_engines(args: argparse.Namespace) -> dict:
+    """The Ray engine at TP = 1 twice on a local cluster: without a draft (its own plain
+    decoding) and with the draft actor. Prefix caching off on both (the rows repeat prompts;
+    the in-process engine resets its cache before each row instead)."""
+    import os
+
+    import ray
+
+    from keyserve.llm import RayLLM
+
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+             object_store_memory=200 * 1024**2)
+    opts = dict(tensor_parallel_size=1, enable_prefix_caching=False, max_num_seqs=max(args.batches),
+                graph_idle_release_s=RAY_IDLE_RELEASE_S)
+    return {"plain": RayLLM(**opts),
+            "draft": RayLLM(draft="default", num_speculative_tokens=max(args.ks), **opts)}
+
+
 def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
     from transformers import AutoModelForCausalLM
     import transformers
@@ -650,8 +700,12 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
     draft_params = sum(p.numel() for n, p in draft.named_parameters() if "embed" not in n)
     target_params = sum(p.numel() for p in hf.parameters())
 
+    rays = ray_engines(args) if args.ray else {}
     # (engine, adaptive, batch, temperature, K): K is the cap for adaptive rows.
     configs = [("keyserve", False, b, t, k) for t in args.temperatures for b in args.batches for k in [0, *args.ks]]
+    if rays:  # batch 1 (the target's), plain on its own engine, fixed and adaptive K on the draft's
+        configs += [("ray", False, 1, t, k) for t in args.ray_temperatures for k in [0, *args.ks]]
+        configs += [("ray", True, 1, t, max(args.ks)) for t in args.ray_temperatures]
     if not args.skip_adaptive:
         configs += [("keyserve", True, b, t, max(args.ks)) for t in args.temperatures for b in args.batches]
     if not args.skip_hf:
@@ -667,6 +721,13 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
             if engine == "keyserve":
                 with adaptive_k(llm, adaptive):
                     return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive)
+            if engine == "ray":
+                ray_llm = rays["draft" if k else "plain"]
+                try:
+                    with adaptive_k(ray_llm, adaptive):
+                        return keyserve_run(ray_llm, batch, temp, k, prompts, max_tokens, adaptive)
+                finally:  # its graph's actors busy-wait until the idle release: let them go first
+                    time.sleep(RAY_IDLE_RELEASE_S + 0.3)
             return hf_run(hf, draft, counters, tok, temp, k, prompts, max_tokens)
 
     # Warm-up, untimed, for every contender and configuration: first-call costs (allocations,
@@ -682,8 +743,10 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
             rows.append(r)
             tqdm.write(f"{r.engine:12s}{' adaptive' if r.adaptive else ''} batch {r.batch} T={r.temperature} "
                        f"K={r.k}: {r.tok_s:6.1f} tok/s acceptance {r.acceptance if r.acceptance is not None else '-'}")
+    for ray_llm in rays.values():
+        ray_llm.shutdown()
     meta = dict(num_prompts=args.num_prompts, max_tokens=args.max_tokens, repeats=args.rounds,
-                threads=torch.get_num_threads(),
+                threads=torch.get_num_threads(), ray=bool(rays),
                 transformers=transformers.__version__, load_before=load_before, load_after=_load_avg(),
                 wall_min=(time.perf_counter() - start) / 60, draft_params_m=draft_params / 1e6,
                 target_params_m=target_params / 1e6)
