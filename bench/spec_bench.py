@@ -556,7 +556,7 @@ def render(rows: list[Row], meta: dict) -> str:
         + (f"{min(acc):.2f}–{max(acc):.2f}" if acc else "–")
         + " (see the draft's README), and the step cost is in the next section.",
         "",
-        "![speculative speed-up against K](bench_spec.png)",
+        f"![speculative speed-up against K]({meta.get('plot', 'bench_spec.png')})",
     ])
 
 
@@ -614,6 +614,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="no transformers rows")
     ap.add_argument("--ray", action="store_true",
                     help="also the Ray engine (TP = 1, draft actor) at batch 1 against its own plain decoding")
+    ap.add_argument("--section", default="speculative",
+                    help="the BENCHMARKS.md section written (a partial run: a section of its own, e.g. speculative_ray)")
     ap.add_argument("--ray-temperatures", type=float, nargs="+", default=sorted(RAY_TARGETS),
                     help="temperatures of the Ray rows (default: those with a target)")
     ap.add_argument("--json", type=Path, default=DOCS / "bench_spec.json")
@@ -632,14 +634,18 @@ def main() -> None:
         rows, meta = [Row(**r) for r in saved["rows"]], saved["meta"]
     else:
         rows, meta = measure(args)
+        meta["plot"] = "bench_spec.png" if args.section == "speculative" else f"bench_{args.section}.png"
         if not args.no_write:  # a smoke run leaves the committed results alone
             args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "meta": meta}, indent=1))
     body = render(rows, meta)
     print(body)
     if not args.no_write:
-        plot(rows, DOCS / "bench_spec.png")
-        update_section("speculative", "Speculative sampling: distilled draft vs none vs transformers' assisted "
-                       "generation (issue 5)", body)  # title kept: other pages link to its anchor
+        plot(rows, DOCS / meta.get("plot", "bench_spec.png"))
+        if args.section == "speculative":
+            update_section("speculative", "Speculative sampling: distilled draft vs none vs transformers' assisted "
+                           "generation (issue 5)", body)  # title kept: other pages link to its anchor
+        else:  # a partial run (e.g. the Ray rows alone) beside the full one, not over it
+            update_section(args.section, f"Speculative sampling: {args.section.replace('_', ' ')}", body)
 
 
 def main_step_cost(args: argparse.Namespace) -> None:
