@@ -75,6 +75,8 @@ PROMPTS = [
 ]
 # issue 19, one run: batch 1 T = 0 >= 1.8x plain keyserve, T = 0.8 >= 1.4x, batch 8 >= 1.1x
 TARGETS = {(1, 0.0): 1.8, (1, 0.8): 1.4, (8, 0.0): 1.1, (8, 0.8): 1.1}
+SECTION_TITLES = {"speculative_ray": "Speculative sampling on the Ray engine: the draft actor against its own plain "
+                  "decoding (issue 19)"}
 RAY_TARGETS = {0.0: 1.5}  # issue 19: the Ray engine with the draft actor, batch 1, over its own plain decoding
 
 
@@ -645,7 +647,7 @@ def main() -> None:
             update_section("speculative", "Speculative sampling: distilled draft vs none vs transformers' assisted "
                            "generation (issue 5)", body)  # title kept: other pages link to its anchor
         else:  # a partial run (e.g. the Ray rows alone) beside the full one, not over it
-            update_section(args.section, f"Speculative sampling: {args.section.replace('_', ' ')}", body)
+            update_section(args.section, SECTION_TITLES.get(args.section, f"Speculative sampling: {args.section}"), body)
 
 
 def main_step_cost(args: argparse.Namespace) -> None:
