@@ -216,9 +216,12 @@ class ParallelConfig(_Strict):
     collective_timeout_s: float = Field(
         120.0, gt=0.0, description="torch.distributed timeout (a dead peer fails a step after this)."
     )
-    compiled_graph: bool = Field(
-        True, description="Run each step as one Ray Compiled Graph (KV-block manager -> draft -> "
-        "target shards, shared-memory channels, compiled once); false: plain actor calls from the driver."
+    compiled_graph: bool | None = Field(
+        None, description="Run each step as one Ray Compiled Graph (KV-block manager -> draft -> "
+        "target shards, shared-memory channels, compiled once); false: plain actor calls from the driver. "
+        "None (auto): the graph on a GPU, or where the node's cores leave one for each of the graph's "
+        "busy-waiting readers (the driver, the KV-block manager, the draft) beside the shards' threads; "
+        "else plain calls (on a CPU whose cores the shards use, spinning readers slow them down)."
     )
     graph_idle_release_s: float = Field(
         2.0, gt=0.0, description="Tear the compiled step graph down after this many seconds without "

@@ -37,7 +37,7 @@ def test_batch_job_on_ray_with_tp2_and_tp1(tmp_path: Path, stories_path: str, dr
     try:
         for tp, shards in (("2", 2), ("1", 3)):  # on Ray, TP = 1 too runs the Ray engine
             out = tmp_path / f"tp{tp}.jsonl"
-            assert batch_main([*flags, "--output", str(out), "--tp", tp]) == 0
+            assert batch_main([*flags, "--output", str(out), "--tp", tp, "--compiled-graph"]) == 0
             assert _texts(out) == want
             assert len(_actors(ray, "TargetShardActor")) == shards  # every one of them gone now
             assert len(_actors(ray, "KVManagerActor")) == shards - 1 and len(_actors(ray, "DraftActor")) == shards - 1

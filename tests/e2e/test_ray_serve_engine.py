@@ -35,7 +35,7 @@ def deploy(url: str, name: str, stories_path: str, draft_dir: str | None, tp: in
     from ray import serve
 
     args = {"model": stories_path, "tp": tp, "num_blocks": 128, "num_cpus": 0.25, "num_replicas": replicas,
-            "worker_num_cpus": 0.25, "draft_num_cpus": 0.25, "worker_threads": 1,
+            "worker_num_cpus": 0.25, "draft_num_cpus": 0.25, "worker_threads": 1, "compiled_graph": True,
             "served_model_name": name, "deployment_name": name, **({"draft": draft_dir} if draft_dir else {})}
     serve.run(build_app(args), name=name, route_prefix=f"/{name}")
     base = f"{url}/{name}"

@@ -34,7 +34,7 @@ def reference(stories_path: str, draft_dir: str) -> LLM:
 @pytest.fixture(scope="module")
 def engine(stories_path: str, draft_dir: str):
     llm = RayLLM(stories_path, draft=draft_dir, tensor_parallel_size=2, worker_threads=1,
-                 worker_num_cpus=0.1, max_restarts=2, **OPTIONS)
+                 worker_num_cpus=0.1, max_restarts=2, compiled_graph=True, **OPTIONS)
     yield llm.engine
     llm.shutdown()
 

@@ -34,7 +34,7 @@ def test_target_group_on_one_node_draft_on_the_other(two_nodes, stories_path: st
     prompts = ["once upon a time", "lily and ben went to the park", "the little girl saw a big"]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     want = LLM(stories_path, draft=draft_dir, num_blocks=64).generate(prompts, params)
-    with RayLLM(stories_path, draft=draft_dir, num_blocks=64, tensor_parallel_size=2, worker_threads=1,
+    with RayLLM(stories_path, draft=draft_dir, num_blocks=64, tensor_parallel_size=2, worker_threads=1, compiled_graph=True,
                 worker_num_cpus=0.25, worker_resources={"target_node": 1},
                 draft_num_cpus=0.25, draft_resources={"draft_node": 1}) as llm:
         engine = llm.engine

@@ -5,6 +5,7 @@ log-probabilities, speculation statistics) with a draft at TP = 2, n > 1 forks a
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from helpers.drive import run_with_action
 
 from keyserve import LLM, SamplingParams
+from keyserve.actors.step_graph import use_compiled_graph
 from keyserve.llm import RayLLM
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -47,12 +49,13 @@ def test_compiled_graph_equals_plain_actors_and_in_process(stories_path: str, dr
     prompts, params = _workload()
     opts = dict(OPTIONS, draft=draft_dir, tensor_parallel_size=2, worker_threads=1, worker_num_cpus=0.1)
     want = LLM(stories_path, **OPTIONS, draft=draft_dir).generate(prompts, params)
+    # auto would pick plain calls here (two cores, both taken by the shards' threads)
     with RayLLM(stories_path, compiled_graph=False, **opts) as plain_llm:
         plain = plain_llm.generate(prompts, params)
         assert plain_llm.engine.num_graph_compiles == 0
-    with RayLLM(stories_path, **opts) as llm:
+    with RayLLM(stories_path, compiled_graph=True, **opts) as llm:
         engine = llm.engine
-        assert engine.config.parallel.compiled_graph  # the default
+        assert engine.compiled_graph
         # The driver only submits the graph and reads it: no plain call to any actor per step
         # (one to the KV-block manager when the engine falls idle, to free finished requests).
         _forbid(engine.core_client, "_call", unless={"schedule": False})
@@ -89,7 +92,7 @@ def test_a_shard_lost_between_steps_loses_no_command(stories_path: str, draft_di
     params = [p.model_copy(update={"temperature": 0.0, "seed": None}) for p in params]
     want = LLM(stories_path, **OPTIONS, draft=draft_dir).generate(prompts[:8], params[:8])
     with RayLLM(stories_path, draft=draft_dir, tensor_parallel_size=2, worker_threads=1, worker_num_cpus=0.1,
-                **OPTIONS) as llm:
+                compiled_graph=True, **OPTIONS) as llm:
         engine = llm.engine
 
         def lose_a_shard_then_add_two() -> list[str]:
@@ -133,7 +136,8 @@ def test_an_idle_graph_is_released_and_compiled_again(stories_path: str) -> None
 
     prompts, params = _workload()
     prompts, params = prompts[:3], [p.model_copy(update={"temperature": 0.0, "seed": None}) for p in params[:3]]
-    with RayLLM(stories_path, worker_threads=1, worker_num_cpus=0.1, graph_idle_release_s=0.5, **OPTIONS) as llm:
+    with RayLLM(stories_path, worker_threads=1, worker_num_cpus=0.1, graph_idle_release_s=0.5, compiled_graph=True,
+                **OPTIONS) as llm:
         engine = llm.engine
         first = llm.generate(prompts, params)
         assert engine.num_graph_compiles == 1
@@ -153,3 +157,25 @@ def test_an_idle_graph_is_released_and_compiled_again(stories_path: str) -> None
         assert engine.num_graph_compiles == 2
     for a, b in zip(first, again, strict=True):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+
+
+@pytest.mark.parametrize(("setting", "on_gpu", "cpus", "tp", "threads", "draft", "want"), [
+    (None, False, 2, 1, None, False, False),  # the shards' default threads take both cores
+    (None, False, 2, 2, 1, True, False),
+    (None, False, 16, 2, 4, False, True),  # 8 cores to spare for 2 readers
+    (None, False, 16, 2, 7, True, False),  # 2 to spare for 3 readers
+    (None, False, 16, 2, 6, True, True),  # 4 to spare for 3
+    (None, True, 2, 1, None, True, True),  # on a GPU the spinners cost nobody's cores
+    (True, False, 2, 1, None, False, True),  # an explicit setting wins
+    (False, True, 64, 1, 1, False, False),
+])
+def test_auto_uses_the_graph_only_with_a_core_per_reader(setting, on_gpu, cpus, tp, threads, draft, want) -> None:
+    assert use_compiled_graph(setting, on_gpu, cpus, tp, threads, draft) is want
+
+
+def test_auto_picks_plain_calls_on_this_two_core_machine(stories_path: str) -> None:
+    with RayLLM(stories_path, worker_threads=2, worker_num_cpus=0.1, **OPTIONS) as llm:
+        assert llm.engine.config.parallel.compiled_graph is None
+        assert llm.engine.compiled_graph is ((os.cpu_count() or 1) - 2 >= 2)
+        llm.generate(["once upon a time"], SamplingParams(max_tokens=4, temperature=0.0))
+        assert llm.engine.num_graph_compiles == (1 if llm.engine.compiled_graph else 0)

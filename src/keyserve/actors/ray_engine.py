@@ -13,6 +13,7 @@ KV-block manager is replaced and the affected sequences are recomputed from thei
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 from keyserve.actors.common import CoreLost, DraftLost, ShardLost, alive, ensure_ray
 from keyserve.actors.draft_actor import DraftActorArgs, RemoteDrafter
 from keyserve.actors.kv_manager_actor import RemoteCore
-from keyserve.actors.step_graph import StepGraph, actor_key, graph_key, lost_actor
+from keyserve.actors.step_graph import StepGraph, actor_key, graph_key, lost_actor, use_compiled_graph
 from keyserve.actors.target_group import TargetGroup, worker_gpus
 from keyserve.actors.target_shard_actor import ShardArgs, check_tp_fits
 from keyserve.config import EngineConfig
@@ -65,7 +66,11 @@ class RayEngine(LLMEngine):
         super().__init__(config, parts=parts)
         self.num_recoveries = 0
         self._failures = 0
-        if config.parallel.compiled_graph:
+        par = config.parallel
+        self.compiled_graph = use_compiled_graph(
+            par.compiled_graph, bool(self.group is not None and self.group.num_gpus), os.cpu_count() or 1,
+            par.tensor_parallel_size, par.worker_threads, self.drafter_client is not None)
+        if self.compiled_graph:
             self._idle_reaper = threading.Thread(target=self._release_when_idle, daemon=True,
                                                  name="keyserve-graph-idle")
             self._idle_reaper.start()
@@ -134,7 +139,7 @@ class RayEngine(LLMEngine):
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        if not self.config.parallel.compiled_graph:
+        if not self.compiled_graph:
             return super()._step()
         with self._graph_lock:
             try:
