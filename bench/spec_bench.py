@@ -7,7 +7,7 @@ transformers' assisted generation (``generate(..., assistant_model=draft)``, a c
 the very same draft weights (``keyserve.training.hf.draft_for_transformers``), at temperature 0
 and 0.8, batch 1 and batch 8 (transformers' assisted generation takes one sequence at a time,
 so it has batch-1 rows only). Every output is forced to its length (EOS ignored) on both sides.
-With ``--ray`` also the Ray engine (TP = 1, compiled step graph) at batch 1: one without a draft
+With ``--ray`` also the Ray engine (TP = 1, its default step path) at batch 1: one without a draft
 (its own plain decoding) and one with the draft actor at each K and adaptive K, taking their
 turns in the same rounds (the ``ray`` rows; their speed-up is over the Ray engine's plain row).
 
