@@ -185,7 +185,8 @@ class ParallelConfig(_Strict):
         default_factory=dict, description="Custom Ray resources each target shard needs."
     )
     worker_threads: int | None = Field(
-        None, ge=1, description="torch threads per shard; default: the node's cores / shards."
+        None, ge=1, description="torch threads per shard; default: the cores the shard may use (its CPU "
+        "affinity, capped by a cgroup CPU quota such as a Kubernetes limit) / shards."
     )
     draft_num_cpus: float = Field(0.25, ge=0.0, description="CPUs reserved for the draft actor.")
     draft_num_gpus: float | None = Field(

@@ -5,7 +5,6 @@ log-probabilities, speculation statistics) with a draft at TP = 2, n > 1 forks a
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -14,6 +13,7 @@ from helpers.drive import run_with_action
 
 from keyserve import LLM, SamplingParams
 from keyserve.actors.step_graph import use_compiled_graph
+from keyserve.core.cpu_count import usable_cpus
 from keyserve.llm import RayLLM
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -176,6 +176,6 @@ def test_auto_uses_the_graph_only_with_a_core_per_reader(setting, on_gpu, cpus, 
 def test_auto_picks_plain_calls_on_this_two_core_machine(stories_path: str) -> None:
     with RayLLM(stories_path, worker_threads=2, worker_num_cpus=0.1, **OPTIONS) as llm:
         assert llm.engine.config.parallel.compiled_graph is None
-        assert llm.engine.compiled_graph is ((os.cpu_count() or 1) - 2 >= 2)
+        assert llm.engine.compiled_graph is (usable_cpus() - 2 >= 2)
         llm.generate(["once upon a time"], SamplingParams(max_tokens=4, temperature=0.0))
         assert llm.engine.num_graph_compiles == (1 if llm.engine.compiled_graph else 0)

@@ -13,7 +13,6 @@ KV-block manager is replaced and the affected sequences are recomputed from thei
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -27,6 +26,7 @@ from keyserve.actors.step_graph import StepGraph, actor_key, graph_key, lost_act
 from keyserve.actors.target_group import TargetGroup, worker_gpus
 from keyserve.actors.target_shard_actor import ShardArgs, check_tp_fits
 from keyserve.config import EngineConfig
+from keyserve.core.cpu_count import usable_cpus
 from keyserve.engine import build
 from keyserve.engine.async_engine import AsyncLLMEngine
 from keyserve.engine.drafter import draft_budget
@@ -68,7 +68,7 @@ class RayEngine(LLMEngine):
         self._failures = 0
         par = config.parallel
         self.compiled_graph = use_compiled_graph(
-            par.compiled_graph, bool(self.group is not None and self.group.num_gpus), os.cpu_count() or 1,
+            par.compiled_graph, bool(self.group is not None and self.group.num_gpus), usable_cpus(),
             par.tensor_parallel_size, par.worker_threads, self.drafter_client is not None)
         if self.compiled_graph:
             self._idle_reaper = threading.Thread(target=self._release_when_idle, daemon=True,

@@ -11,7 +11,6 @@ returns; the other ranks return an empty ``StepOutput``.
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,6 +19,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from keyserve.core.cpu_count import usable_cpus
 from keyserve.engine import build
 from keyserve.engine.model_runner import ModelRunner
 from keyserve.engine.step_input import StepInput, StepOutput
@@ -65,7 +65,7 @@ class TargetShardActor:
 
     def __init__(self, rank: int, world_size: int, args: ShardArgs) -> None:
         self.rank, self.world_size, self.args = rank, world_size, args
-        threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
+        threads = args.threads or max(1, usable_cpus() // world_size)
         torch.set_num_threads(threads)
         self.runner: ModelRunner | None = None
 
