@@ -35,10 +35,14 @@ def main() -> None:
     import ray
 
     from keyserve.actors.ray_engine import RayEngine
+    from keyserve.actors.step_graph import use_compiled_graph
     from keyserve.config import EngineConfig
+    from keyserve.core.cpu_count import usable_cpus
     from keyserve.engine.llm_engine import LLMEngine
 
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()
+    # what RayEngine picks with the defaults here (TP 1, no draft, no GPU)
+    auto = use_compiled_graph(None, False, cores, 1, None, False)
     torch.set_num_threads(cores)
     opts = dict(num_blocks=512, device="cpu")
     ray.init(num_cpus=max(2, cores), include_dashboard=False, log_to_driver=False,
@@ -52,7 +56,6 @@ def main() -> None:
                 engines[f"ray, {'graph' if graph else 'plain calls'}, {threads} thread(s)"] = RayEngine(
                     EngineConfig.from_flat(**opts, tp=1, worker_threads=threads, worker_num_cpus=0.1,
                                            compiled_graph=graph, graph_idle_release_s=IDLE_RELEASE_S))
-        auto = RayEngine(EngineConfig.from_flat(**opts, tp=1, worker_num_cpus=0.1)).compiled_graph
         by_batch = {b: interleaved(engines, b, args.decode_tokens, args.repeats) for b in (1, 16)}
     finally:
         shut_down(engines)

@@ -27,6 +27,7 @@ from ray.dag import InputNode, MultiOutputNode
 
 from keyserve.actors.draft_actor import DraftBatch, DraftTokens
 from keyserve.actors.kv_manager_actor import CoreRequest
+from keyserve.core.cpu_count import threads_per_shard
 from keyserve.engine.kv_core import CoreReply
 from keyserve.engine.stats import CoreStats
 from keyserve.engine.step_input import StepInput, StepOutput
@@ -96,7 +97,7 @@ def use_compiled_graph(
         return setting
     if on_gpu:
         return True
-    threads = worker_threads or max(1, cpu_count // tensor_parallel_size)  # the shards' default
+    threads = threads_per_shard(worker_threads, tensor_parallel_size, cpu_count)
     readers = 3 if has_draft else 2
     return cpu_count - tensor_parallel_size * threads >= readers
 

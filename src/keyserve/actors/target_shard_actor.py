@@ -19,7 +19,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from keyserve.core.cpu_count import usable_cpus
+from keyserve.core.cpu_count import threads_per_shard, usable_cpus
 from keyserve.engine import build
 from keyserve.engine.model_runner import ModelRunner
 from keyserve.engine.step_input import StepInput, StepOutput
@@ -65,7 +65,7 @@ class TargetShardActor:
 
     def __init__(self, rank: int, world_size: int, args: ShardArgs) -> None:
         self.rank, self.world_size, self.args = rank, world_size, args
-        threads = args.threads or max(1, usable_cpus() // world_size)
+        threads = threads_per_shard(args.threads, world_size, usable_cpus())
         torch.set_num_threads(threads)
         self.runner: ModelRunner | None = None
 

@@ -43,3 +43,8 @@ def usable_cpus(root: str | Path = "/sys/fs/cgroup") -> int:
     if quota is not None:
         count = min(count, math.ceil(quota))
     return max(1, count)
+
+
+def threads_per_shard(worker_threads: int | None, num_shards: int, cpus: int) -> int:
+    """A target shard's torch threads: ``worker_threads`` if set, else its share of ``cpus``."""
+    return worker_threads or max(1, cpus // num_shards)
