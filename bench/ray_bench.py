@@ -1,13 +1,14 @@
 """The Ray engine against the in-process engine, SmolLM2-135M-Instruct, float32, this machine.
 
 1. decode throughput at batch 1 and 16: ``RayEngine`` at TP = 1 (one shard actor, the
-   KV-block manager actor) against ``LLMEngine`` with the same torch threads, with each step as
-   one Ray Compiled Graph (the default) and as plain actor calls from the driver;
+   KV-block manager actor) against ``LLMEngine`` with the same torch threads, on each step path:
+   one Ray Compiled Graph per step, plain calls over the actors' step channels (sockets), and
+   plain Ray actor calls from the driver;
 2. the per-step orchestration overhead (Ray step time minus in-process step time) and the Ray
    share of it: the time the driver waits in Ray calls (the compiled graph's submit and read,
    or the plain path's KV-block manager and target group calls) beyond the runner's own work;
-3. TP = 2 and 3 (both paths) against TP = 1 on the Ray engine (on a 2-core machine this shows
-   overhead, not speed-up: the shards share two cores and add two all-reduces per layer).
+3. TP = 2 and 3 (graph and channels) against TP = 1 on the Ray engine (on a 2-core machine this
+   shows overhead, not speed-up: the shards share two cores and add two all-reduces per layer).
 
 Each figure is the best of ``--repeats`` timed runs after a warm-up (the machine may be shared).
 
@@ -31,6 +32,9 @@ from bench.report import markdown_table, update_section  # noqa: E402
 from bench.workloads import documents  # noqa: E402
 
 BATCHES = (1, 16)
+# The step paths: the compiled graph; plain calls over the step channels (the default on a CPU
+# without cores to spare); plain calls as Ray actor calls (``step_channels=False``).
+PATHS = ("graph", "channels", "ray calls")
 # The engines take turns: a waiting engine's compiled graph is released this soon, so its
 # busy-waiting actors do not take the cores of the one being timed (each timed run compiles
 # again in its untimed prefill steps).
@@ -201,10 +205,11 @@ def main() -> None:
             except ValueError as e:
                 skipped.append(f"TP = {tp}: {e}")
                 continue
-            for graph in (True, False):
-                engines[f"ray tp={tp} {'graph' if graph else 'plain'}"] = RayEngine(EngineConfig.from_flat(
+            for path in PATHS if tp == 1 else PATHS[:2]:
+                engines[f"ray tp={tp} {path}"] = RayEngine(EngineConfig.from_flat(
                     **opts, tp=tp, worker_threads=max(1, args.threads // tp), worker_num_cpus=0.1,
-                    compiled_graph=graph, graph_idle_release_s=IDLE_RELEASE_S))
+                    compiled_graph=path == "graph", step_channels=path == "channels",
+                    graph_idle_release_s=IDLE_RELEASE_S))
         rtt = round_trip_ms(engines["ray tp=1 graph"])
         by_batch = {b: interleaved(engines, b, args.decode_tokens, args.repeats) for b in BATCHES}
         model_bytes = weight_bytes(engines["in-process"].loaded.model)  # type: ignore[attr-defined]
@@ -234,7 +239,7 @@ def main() -> None:
     table = markdown_table(["engine", "batch", "decode tok/s", "ms/step", "ms/step outside the runner",
                             "Ray orchestration ms/step", "waiting in Ray ms/step", "tok/s vs in-process"], rows)
     targets = []
-    for mode in ("graph", "plain"):
+    for mode in PATHS:
         r1 = results[f"ray tp=1 {mode}"]
         for b, limit in ((1, 0.05), (16, 0.03)):
             over = r1[b]["orchestration_ms"] - base[b]["orchestration_ms"]
@@ -268,8 +273,9 @@ def main() -> None:
         f"{args.model or 'SmolLM2-135M-Instruct'}, float32, greedy, {args.decode_tokens} decode tokens per request after "
         f"a 32-token prompt; torch threads {args.threads} (TP=N: {args.threads} // N, at least 1, per shard); "
         f"the engines take turns, best of {args.repeats}. *graph*: each step one execution of the Ray Compiled "
-        f"Graph (KV-block manager -> target shards, shared-memory channels); *plain*: the driver calls the "
-        f"KV-block manager, then the target group. *Outside the runner* is a step's wall time minus the time "
+        f"Graph (KV-block manager -> target shards, shared-memory channels); *channels*: the driver calls the "
+        f"KV-block manager, then the target group, each over the actor's step channel (a socket, blocking "
+        f"reads); *ray calls*: the same calls as Ray actor calls. TP > 1 runs the first two. *Outside the runner* is a step's wall time minus the time "
         f"the model runner (rank 0) reports for its own work; the Ray orchestration cost is that figure for "
         f"Ray minus the in-process one. *Waiting in Ray* is the time the driver spends in the graph's "
         f"submit-and-read (or the plain calls) beyond the runner's work. A bare Ray actor call costs "

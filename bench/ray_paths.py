@@ -1,6 +1,6 @@
-"""Which step path the Ray engine should take on a CPU: the compiled graph or plain actor calls,
-at one and two torch threads per shard, against the in-process engine at the same thread count
-as the node's cores (its best on a small machine).
+"""Which step path the Ray engine should take on a CPU: the compiled graph, or plain calls (over the
+actors' step channels, or as Ray actor calls), at one and two torch threads per shard, against the
+in-process engine at the same thread count as the node's cores (its best on a small machine).
 
 The compiled graph's readers (the driver, the KV-block manager, the draft actor) busy-wait on
 their channels for the whole step; on a CPU whose cores the shard's threads take they spin on
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.ray_bench import IDLE_RELEASE_S, interleaved, shut_down  # noqa: E402
+from bench.ray_bench import IDLE_RELEASE_S, PATHS, interleaved, shut_down  # noqa: E402
 from bench.report import markdown_table, update_section  # noqa: E402
 
 
@@ -52,10 +52,11 @@ def main() -> None:
     try:
         engines["in-process"] = LLMEngine(EngineConfig.from_flat(**opts))
         for threads in sorted({1, cores}):
-            for graph in (True, False):
-                engines[f"ray, {'graph' if graph else 'plain calls'}, {threads} thread(s)"] = RayEngine(
+            for path in PATHS:
+                engines[f"ray, {path}, {threads} thread(s)"] = RayEngine(
                     EngineConfig.from_flat(**opts, tp=1, worker_threads=threads, worker_num_cpus=0.1,
-                                           compiled_graph=graph, graph_idle_release_s=IDLE_RELEASE_S))
+                                           compiled_graph=path == "graph", step_channels=path == "channels",
+                                           graph_idle_release_s=IDLE_RELEASE_S))
         by_batch = {b: interleaved(engines, b, args.decode_tokens, args.repeats) for b in (1, 16)}
     finally:
         shut_down(engines)
@@ -75,13 +76,13 @@ def main() -> None:
         f"SmolLM2-135M-Instruct, float32, greedy, TP 1, {args.decode_tokens} decode tokens per request after a "
         f"32-token prompt; the in-process engine at {cores} torch threads; the engines take turns, best of "
         f"{args.repeats}. *Loss*: throughput below the in-process engine's; *runner*: the time the shard's model "
-        f"runner reports for its own work per step. With the defaults (`compiled_graph` auto, the shard's "
-        f"threads = the node's cores) this machine picks **{'the compiled graph' if auto else 'plain calls'}**. "
+        f"runner reports for its own work per step. *channels*: plain calls over the actors' step channels (sockets, blocking reads; `step_channels`, the default); *ray calls*: plain Ray actor calls. With the defaults (`compiled_graph` auto, the shard's "
+        f"threads = the node's cores) this machine picks **{'the compiled graph' if auto else 'plain calls over the step channels'}**. "
         f"Load average before {load_before}, after {load_after} on {cores} cores.\n\n{table}"
     )
     print(body)
     if not args.no_write:
-        update_section("ray_paths", "Ray engine on a CPU: compiled graph or plain actor calls (issue 20)", body)
+        update_section("ray_paths", "Ray engine on a CPU: compiled graph, step channels or Ray actor calls (issue 20)", body)
 
 
 if __name__ == "__main__":

@@ -224,6 +224,12 @@ class ParallelConfig(_Strict):
         "busy-waiting readers (the driver, the KV-block manager, the draft) beside the shards' threads; "
         "else plain calls (on a CPU whose cores the shards use, spinning readers slow them down)."
     )
+    step_channels: bool = Field(
+        True, description="Without the compiled graph, send each step to the KV-block manager and the "
+        "target shards over a direct socket per actor (blocking reads: no core spins; ~40 us a round "
+        "trip where a Ray actor call costs ~1 ms on a small node); false: Ray actor calls. Steps that "
+        "carry the draft actor's probabilities go by Ray call (an object reference, actor to actor)."
+    )
     graph_idle_release_s: float = Field(
         2.0, gt=0.0, description="Tear the compiled step graph down after this many seconds without "
         "requests: its actors busy-wait on their channels (a core each) while it exists. The next "

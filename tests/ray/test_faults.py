@@ -1,7 +1,8 @@
 """Faults: kill a target shard, the draft actor or the KV-block manager actor in the middle of
 a generation. The actor is replaced (restarted by Ray or recreated), every request completes
 with the tokens it would have had (recomputed from the tokens the engine keeps), decoding goes
-on without speculation while the draft is away, and no KV block leaks."""
+on without speculation while the draft is away, and no KV block leaks. Each on both step paths:
+the compiled graph, and plain calls over the step channels (a killed actor's socket closes)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,11 @@ def reference(stories_path: str, draft_dir: str) -> LLM:
     return LLM(stories_path, draft=draft_dir, **OPTIONS)
 
 
-@pytest.fixture(scope="module")
-def engine(stories_path: str, draft_dir: str):
+@pytest.fixture(scope="module", params=["graph", "channels"])
+def engine(request, stories_path: str, draft_dir: str):
     llm = RayLLM(stories_path, draft=draft_dir, tensor_parallel_size=2, worker_threads=1,
-                 worker_num_cpus=0.1, max_restarts=2, compiled_graph=True, **OPTIONS)
+                 worker_num_cpus=0.1, max_restarts=2, compiled_graph=request.param == "graph",
+                 step_channels=True, **OPTIONS)
     yield llm.engine
     llm.shutdown()
 
@@ -124,6 +126,8 @@ def test_kv_manager_lost_after_the_shards_sampled(engine: RayEngine, reference: 
     (their generators rewind, ``core.generator_marks``). The fault is timed by hand here (Ray's
     teardown outrunning the driver's read happens only now and then): the step's real result
     is dropped as the actor is killed."""
+    if not engine.compiled_graph:
+        pytest.skip("the graph's lost step; the plain path's is tests/engine/test_lost_step.py")
     prompts, params = _workload(2, seeded_plain=True)
     core = engine.core_client
     losses = core.num_losses

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import ray
 import torch
 from helpers.drive import run_with_action
 
@@ -45,14 +46,70 @@ def _forbid(obj: object, name: str, unless: dict | None = None) -> None:
     setattr(obj, name, fail)
 
 
+class _NoRayCall:
+    """An actor handle whose ``method`` may not be called through Ray."""
+
+    def __init__(self, actor: object, method: str) -> None:
+        self._actor, self._method = actor, method
+
+    def __getattr__(self, name: str):
+        if name == self._method:
+            raise AssertionError(f"a Ray call to {name} on the step-channel path")
+        return getattr(self._actor, name)
+
+
+def _count_sends(channels: list) -> list[int]:
+    """Counts of each channel's messages, kept up to date in the returned list."""
+    counts = [0] * len(channels)
+    for i, channel in enumerate(channels):
+        inner = channel.send
+
+        def send(payload: bytes, i=i, inner=inner) -> None:
+            counts[i] += 1
+            inner(payload)
+
+        channel.send = send
+    return counts
+
+
+def _count_drafted(group) -> list[int]:
+    """[steps sent to the target group, of them with the draft actor's probabilities (these go
+    by Ray call: an object reference, actor to actor)], kept up to date."""
+    counts = [0, 0]
+    inner = group.execute
+
+    def execute(step, draft_probs=None):
+        counts[0] += 1
+        counts[1] += isinstance(draft_probs, ray.ObjectRef)
+        return inner(step, draft_probs)
+
+    group.execute = execute
+    return counts
+
+
 def test_compiled_graph_equals_plain_actors_and_in_process(stories_path: str, draft_dir: str) -> None:
     prompts, params = _workload()
     opts = dict(OPTIONS, draft=draft_dir, tensor_parallel_size=2, worker_threads=1, worker_num_cpus=0.1)
     want = LLM(stories_path, **OPTIONS, draft=draft_dir).generate(prompts, params)
     # auto would pick plain calls here (two cores, both taken by the shards' threads)
+    with RayLLM(stories_path, compiled_graph=False, step_channels=False, **opts) as ray_calls_llm:
+        ray_calls = ray_calls_llm.generate(prompts, params)
+        assert ray_calls_llm.engine.core_client.channel is None and not ray_calls_llm.engine.group.channels
     with RayLLM(stories_path, compiled_graph=False, **opts) as plain_llm:
+        engine = plain_llm.engine
+        # plain calls go over the step channels: never a Ray call to the KV-block manager's
+        # step or the draft actor's propose, and every step reaches both shards over theirs
+        # (the draft probabilities too, not as an object reference)
+        engine.core_client.actor = _NoRayCall(engine.core_client.actor, "step")
+        engine.drafter_client.actor = _NoRayCall(engine.drafter_client.actor, "propose")
+        sends = _count_sends(engine.group.channels)
+        by_ray = _count_drafted(engine.group)
         plain = plain_llm.generate(prompts, params)
-        assert plain_llm.engine.num_graph_compiles == 0
+        assert engine.num_graph_compiles == 0
+        assert engine.core_client.channel is not None and engine.drafter_client.channel is not None
+        steps, drafted_by_ray = by_ray
+        assert sends == [steps, steps] and steps > 20 and drafted_by_ray == 0
+        assert engine.speculative.stats.num_draft_tokens > 0
     with RayLLM(stories_path, compiled_graph=True, **opts) as llm:
         engine = llm.engine
         assert engine.compiled_graph
@@ -69,7 +126,7 @@ def test_compiled_graph_equals_plain_actors_and_in_process(stories_path: str, dr
         engine.flush()
         view = engine.check_consistent()
         assert view.num_free_blocks == view.num_blocks
-    for other in (plain, got):
+    for other in (ray_calls, plain, got):
         for a, b in zip(want, other, strict=True):
             assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]
             for x, y in zip(a.outputs, b.outputs):

@@ -3,21 +3,25 @@ engine-side client that keeps its per-step message small.
 
 The actor holds the draft weights, its paged KV and block manager, and a shadow of every target
 sequence's tokens, so each ``propose`` call carries per sequence only the tokens that are new
-since the last call. It returns two objects: the draft tokens (small, read by the engine) and
-the draft probabilities (large, passed by reference straight to the target's rank 0). It may be
+since the last call. It returns the draft tokens (small, read by the engine) and the draft
+probabilities: over the step channel both come to the engine, which sends the probabilities
+on to rank 0 over its channel; by Ray call they are two objects, the probabilities passed by
+reference straight to the target's rank 0. It may be
 placed on another node than the target group (``ParallelConfig.draft_resources``).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass, field
 
 import ray
 import torch
 from ray.exceptions import RayError
 
-from keyserve.actors.common import ACTOR_LOST, actor_runtime_env, kill_actor, new_incarnation
+from keyserve.actors.common import ACTOR_LOST, actor_runtime_env, alive, kill_actor, new_incarnation
+from keyserve.actors.step_channel import TOKEN_BYTES, ChannelClient, ChannelClosed, ChannelEndpoint, encode, gather
 from keyserve.config import ParallelConfig
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import Sequence
@@ -83,14 +87,23 @@ class DraftActor:
         )
         self.targets: dict[int, Sequence] = {}
         self.incarnation = new_incarnation()
+        self.endpoint = ChannelEndpoint()  # the plain path's step channel (step_channel.py)
 
     def ready(self) -> tuple[str, int]:
         return self.incarnation, self.weight_bytes
+
+    def channel_address(self, token: bytes) -> tuple[str, int]:
+        """Open (once per engine client) the socket the plain step path proposes over."""
+        return self.endpoint.open(ray.util.get_node_ip_address(), token, {"propose": self.propose})
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
     def propose(self, batch: DraftBatch) -> tuple[DraftTokens, torch.Tensor | None]:
+        with self.endpoint.lock:  # the channel's thread or Ray's, one at a time
+            return self._propose(batch)
+
+    def _propose(self, batch: DraftBatch) -> tuple[DraftTokens, torch.Tensor | None]:
         self.release(batch.released)
         if batch.incarnation not in (None, self.incarnation):
             return self._nothing(resync=True), None
@@ -105,6 +118,12 @@ class DraftActor:
         the items the KV-block manager reserved lookahead for, and write the drafts into the
         step the shards read. Returns the step, the draft probabilities (rank 0 reads them;
         [num_verify, max_draft, vocab]) and the tokens (the engine reads them)."""
+        with self.endpoint.lock:
+            return self._graph_propose(step, batch)
+
+    def _graph_propose(
+        self, step: StepInput | None, batch: DraftBatch,
+    ) -> tuple[StepInput | None, torch.Tensor | None, DraftTokens]:
         self.release(batch.released)
         if batch.incarnation not in (None, self.incarnation):
             return step, None, self._nothing(resync=True)
@@ -145,15 +164,17 @@ class DraftActor:
         return targets
 
     def release(self, seq_ids: list[int]) -> None:
-        for seq_id in seq_ids:
-            target = self.targets.pop(seq_id, None)
-            if target is not None:
-                self.worker.release(target)
+        with self.endpoint.lock:
+            for seq_id in seq_ids:
+                target = self.targets.pop(seq_id, None)
+                if target is not None:
+                    self.worker.release(target)
 
     def stats(self) -> dict[str, int]:
-        bm = self.worker.block_manager
-        return {"num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
-                "num_mirrors": len(self.worker.mirrors)}
+        with self.endpoint.lock:
+            bm = self.worker.block_manager
+            return {"num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
+                    "num_mirrors": len(self.worker.mirrors)}
 
 
 class RemoteDrafter:
@@ -169,6 +190,7 @@ class RemoteDrafter:
         self._released: list[int] = []
         self._ready_ref: ray.ObjectRef | None = None
         self.num_losses = 0
+        self.channel: ChannelClient | None = None  # opened at the first plain-path proposal
 
     def _create(self):
         p = self.parallel
@@ -198,6 +220,7 @@ class RemoteDrafter:
     def lost(self) -> None:
         """Propose nothing until the actor answers ``ready`` again (restarted or recreated)."""
         self.num_losses += 1
+        self.close_channel()  # bound to the lost process
         self._ready_ref = self.actor.ready.remote()
 
     def restarted(self, timeout_s: float) -> bool:
@@ -212,20 +235,37 @@ class RemoteDrafter:
         for _ in range(2):  # a second time only after the actor was found restarted
             batch = self._batch(targets, num_draft)
             try:
-                tokens_ref, probs_ref = self.actor.propose.options(num_returns=2).remote(batch)
-                tokens: DraftTokens = ray.get(tokens_ref)
-            except ACTOR_LOST:
+                tokens, probs = self._call(batch)
+            except (ChannelClosed, *ACTOR_LOST):
                 self.lost()
                 break
             if not tokens.resync:
                 for seq in targets:
                     self._seen[seq.seq_id] = seq.num_tokens
-                return Proposal(tokens.token_ids, probs_ref, tokens.num_draft)  # type: ignore[arg-type]
+                return Proposal(tokens.token_ids, probs, tokens.num_draft)  # type: ignore[arg-type]
             self.incarnation = tokens.incarnation
             self._seen.clear()
         k = max(num_draft, default=0)
         return Proposal(torch.zeros(len(targets), k, dtype=torch.int64), None,  # type: ignore[arg-type]
                         torch.zeros(len(targets), dtype=torch.int64))
+
+    def _call(self, batch: DraftBatch) -> tuple[DraftTokens, torch.Tensor | ray.ObjectRef | None]:
+        """One proposal: over the step channel, the probabilities come back as a tensor (rank 0
+        gets them over its own); by Ray call they stay an object reference, passed actor to
+        actor."""
+        if not self.parallel.step_channels:
+            tokens_ref, probs_ref = self.actor.propose.options(num_returns=2).remote(batch)
+            return ray.get(tokens_ref), probs_ref
+        if self.channel is None:
+            token = secrets.token_bytes(TOKEN_BYTES)
+            self.channel = ChannelClient(ray.get(self.actor.channel_address.remote(token)), token)
+        self.channel.send(encode(("propose", (batch,))))
+        return gather([self.channel], lambda: alive([self.actor]))[0]
+
+    def close_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
     def _batch(self, targets: list[Sequence], num_draft: list[int]) -> DraftBatch:
         entries, infos = [], {}
@@ -275,4 +315,5 @@ class RemoteDrafter:
         return ray.get(self.actor.stats.remote())
 
     def shutdown(self) -> None:
+        self.close_channel()
         kill_actor(self.actor)

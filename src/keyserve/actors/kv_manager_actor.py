@@ -10,12 +10,14 @@ model-side ops a commit produces (forks, compactions, releases) ride in that ``S
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayError
 
-from keyserve.actors.common import ACTOR_LOST, CoreLost, actor_runtime_env, kill_actor, new_incarnation
+from keyserve.actors.common import ACTOR_LOST, CoreLost, actor_runtime_env, alive, kill_actor, new_incarnation
+from keyserve.actors.step_channel import TOKEN_BYTES, ChannelClient, ChannelClosed, ChannelEndpoint, encode, gather
 from keyserve.config import ParallelConfig
 from keyserve.core.sequence import FinishReason, Sequence
 from keyserve.engine.build import KVCoreArgs, build_core
@@ -35,9 +37,14 @@ class KVManagerActor:
         self.ops: list[RunnerOp] = []  # for the model side, sent with the next StepInput
         self.incarnation = new_incarnation()
         self.applied = -1  # the last command batch applied (a batch may arrive twice)
+        self.endpoint = ChannelEndpoint()  # the plain path's step channel (step_channel.py)
 
     def ready(self) -> str:
         return self.incarnation
+
+    def channel_address(self, token: bytes) -> tuple[str, int]:
+        """Open (once per engine client) the socket the plain step path calls ``step`` over."""
+        return self.endpoint.open(ray.util.get_node_ip_address(), token, {"step": self.step})
 
     def step(
         self, batches: list[Batch], schedule: bool, lookahead: dict[int, int] | None,
@@ -48,6 +55,13 @@ class KVManagerActor:
         accumulated since the last one, and the core's counts. ``lookahead``: the draft tokens
         the engine's speculative policy wants per sequence (``KVCore.schedule``). None: this
         actor restarted and holds none of the engine's requests (``incarnation`` is not its own)."""
+        with self.endpoint.lock:  # the channel's thread or Ray's, one at a time
+            return self._step(batches, schedule, lookahead, incarnation)
+
+    def _step(
+        self, batches: list[Batch], schedule: bool, lookahead: dict[int, int] | None,
+        incarnation: str | None,
+    ) -> tuple[CoreReply, CoreStats] | None:
         if incarnation not in (None, self.incarnation):
             return None
         stats: dict[int, SeqStat] = {}
@@ -98,11 +112,13 @@ class KVManagerActor:
         raise ValueError(f"unknown command {kind!r}")
 
     def waiting_request_ids(self) -> list[str]:
-        return self.core.waiting_request_ids()
+        with self.endpoint.lock:
+            return self.core.waiting_request_ids()
 
     def check_consistent(self) -> CoreStats:
-        self.core.check_consistent()
-        return self.core.stats()
+        with self.endpoint.lock:
+            self.core.check_consistent()
+            return self.core.stats()
 
 
 @dataclass
@@ -128,7 +144,8 @@ def core_copy(seq: Sequence) -> Sequence:
 
 class RemoteCore:
     """``KVCore``'s interface for the engine, over the actor: ``add``, ``finish`` and ``commit``
-    are queued; ``schedule`` sends them with the request for the next step (one round trip)."""
+    are queued; ``schedule`` sends them with the request for the next step (one round trip, over
+    the actor's step channel unless ``ParallelConfig.step_channels`` is off)."""
 
     def __init__(self, args: KVCoreArgs, parallel: ParallelConfig) -> None:
         self.args, self.parallel = args, parallel
@@ -140,6 +157,7 @@ class RemoteCore:
         self.num_batches = 0
         self.last_stats = CoreStats(args.num_blocks, args.num_blocks, args.block_size)  # as of the last call
         self.num_losses = 0
+        self.channel: ChannelClient | None = None  # opened at the first plain-path call
 
     def _create(self):
         p = self.parallel
@@ -185,11 +203,28 @@ class RemoteCore:
         return list(self.unanswered)
 
     def _call(self, schedule: bool, lookahead: dict[int, int] | None = None) -> CoreReply:
+        args = (self._batches(), schedule, lookahead, self.incarnation)
         try:
-            answer = ray.get(self.actor.step.remote(self._batches(), schedule, lookahead, self.incarnation))
-        except ACTOR_LOST as e:
+            if not self.parallel.step_channels:
+                return self.answer(ray.get(self.actor.step.remote(*args)))
+            channel = self._channel()
+            channel.send(encode(("step", args)))
+            return self.answer(gather([channel], lambda: alive([self.actor]))[0])
+        except (ChannelClosed, *ACTOR_LOST) as e:
+            self.close_channel()
             raise self.lost(f"the KV-block manager died: {e}") from e
-        return self.answer(answer)
+
+    def _channel(self) -> ChannelClient:
+        """The step channel to the current actor (opened through Ray at first use)."""
+        if self.channel is None:
+            token = secrets.token_bytes(TOKEN_BYTES)
+            self.channel = ChannelClient(ray.get(self.actor.channel_address.remote(token)), token)
+        return self.channel
+
+    def close_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
     def request(self, lookahead: dict[int, int] | None) -> CoreRequest:
         """The queued commands as a compiled step's input (``KVManagerActor.graph_step``)."""
@@ -224,6 +259,7 @@ class RemoteCore:
     def recover(self, requests: list[tuple[list[Sequence], list[Sequence], list[int] | None]]) -> None:
         """Wait for the actor (restarted by Ray, or recreated), then give it back the unfinished
         work: every sequence is recomputed from its tokens."""
+        self.close_channel()  # bound to the lost process
         try:
             self.incarnation = ray.get(self.actor.ready.remote(), timeout=300)
         except ACTOR_LOST:
@@ -242,4 +278,5 @@ class RemoteCore:
         return ray.get(self.actor.check_consistent.remote())
 
     def shutdown(self) -> None:
+        self.close_channel()
         kill_actor(self.actor)

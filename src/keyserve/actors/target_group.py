@@ -1,12 +1,14 @@
 """The tensor-parallel target group: a placement group and one ``TargetShardActor`` actor per shard.
 
 ``execute`` is the model runner's interface over Ray: the step's one ``StepInput`` goes to every
-rank (put once in the object store), the draft probabilities (an object ref straight from the
-draft actor) to rank 0 only, and one wait collects the step -- no per-token or per-layer round
-trips. A failed shard poisons the group's collectives, so the group is replaced as a whole.
+rank (encoded once and sent over each shard's step channel, or put once in the object store
+for Ray calls), the draft probabilities (an object ref straight from the draft actor, by Ray
+call) to rank 0 only, and one wait collects the step -- no per-token or per-layer round trips. A failed shard poisons the group's collectives, so the group is replaced as a whole.
 """
 
 from __future__ import annotations
+
+import secrets
 
 import ray
 import torch
@@ -15,6 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from keyserve.actors.common import ACTOR_LOST, ShardLost, actor_runtime_env, alive, kill_actor
+from keyserve.actors.step_channel import TOKEN_BYTES, ChannelClient, ChannelClosed, encode, gather
 from keyserve.actors.target_shard_actor import TargetShardActor, ShardArgs, check_tp_fits
 from keyserve.config import ParallelConfig
 from keyserve.engine.step_input import RunnerOp, StepInput, StepOutput
@@ -49,6 +52,7 @@ class TargetGroup:
                 f"the cluster has {ray.available_resources()} available"
             ) from None
         self.workers: list = []
+        self.channels: list[ChannelClient] = []  # one per shard (ParallelConfig.step_channels)
         self.weight_bytes = 0
         self._ops: list[RunnerOp] = []
         self.num_restarts = 0
@@ -72,6 +76,10 @@ class TargetGroup:
         try:
             host, port = ray.get(self.workers[0].master_address.remote())
             self.weight_bytes = sum(ray.get([w.setup.remote(host, port) for w in self.workers]))
+            if p.step_channels:
+                token = secrets.token_bytes(TOKEN_BYTES)
+                addresses = ray.get([w.channel_address.remote(token) for w in self.workers])
+                self.channels = [ChannelClient(a, token) for a in addresses]
         except BaseException:
             self._kill()
             raise
@@ -91,6 +99,8 @@ class TargetGroup:
             raise ShardLost("the target group is being replaced")
         if self._ops:
             step.ops, self._ops = self._ops + step.ops, []
+        if self.channels and not isinstance(draft_probs, ray.ObjectRef):
+            return self._execute_over_channels(step, draft_probs)
         arg = ray.put(step) if self.tp > 1 else step
         refs = [w.execute.remote(arg, draft_probs if i == 0 else None) for i, w in enumerate(self.workers)]
         try:
@@ -108,6 +118,26 @@ class TargetGroup:
                 raise  # a real error in the step, not a lost shard
             raise ShardLost(f"a target shard died: {e}") from e
 
+    def _execute_over_channels(
+        self,
+        step: StepInput,
+        draft_probs: torch.Tensor | None,  # [num_drafted, max_draft, vocab]
+    ) -> StepOutput:
+        """The step to every shard over its channel (encoded once), each reply read as it
+        comes; the first failure decides, as in ``execute``."""
+        others = encode(("execute", (step, None)))
+        first = others if draft_probs is None else encode(("execute", (step, draft_probs)))
+        try:
+            for i, channel in enumerate(self.channels):
+                channel.send(first if i == 0 else others)
+            return gather(self.channels, lambda: alive(self.workers))[0]
+        except ChannelClosed as e:
+            raise ShardLost(f"a target shard died: {e}") from e
+        except Exception as e:
+            if alive(self.workers):
+                raise  # a real error in the step, not a lost shard
+            raise ShardLost(f"a target shard died: {e}") from e
+
     # ------------------------------------------------------------- lifecycle
     def restart(self) -> None:
         """Replace every shard (the KV is lost; the engine recomputes from tokens)."""
@@ -117,6 +147,9 @@ class TargetGroup:
         self._start()
 
     def _kill(self) -> None:
+        for channel in self.channels:
+            channel.close()
+        self.channels = []
         for w in self.workers:
             kill_actor(w)
         self.workers = []

@@ -19,6 +19,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from keyserve.actors.step_channel import ChannelEndpoint
 from keyserve.core.cpu_count import threads_per_shard, usable_cpus
 from keyserve.engine import build
 from keyserve.engine.model_runner import ModelRunner
@@ -68,6 +69,11 @@ class TargetShardActor:
         threads = threads_per_shard(args.threads, world_size, usable_cpus())
         torch.set_num_threads(threads)
         self.runner: ModelRunner | None = None
+        self.endpoint = ChannelEndpoint()  # the plain path's step channel (step_channel.py)
+
+    def channel_address(self, token: bytes) -> tuple[str, int]:
+        """Open (once per engine client) the socket the plain step path sends steps over."""
+        return self.endpoint.open(ray.util.get_node_ip_address(), token, {"execute": self.channel_execute})
 
     def master_address(self) -> tuple[str, int]:
         """Rank 0 picks the process group's TCP store address (a free port on its node)."""
@@ -99,7 +105,17 @@ class TargetShardActor:
         draft_probs: torch.Tensor | None = None,  # [num_drafted, max_draft, vocab], rank 0 only
     ) -> StepOutput:
         assert self.runner is not None, "setup() first"
-        return self.runner.execute(step, draft_probs)
+        with self.endpoint.lock:  # the channel's thread or Ray's, one at a time
+            return self.runner.execute(step, draft_probs)
+
+    def channel_execute(
+        self,
+        step: StepInput,
+        draft_probs: torch.Tensor | None = None,  # [num_drafted, max_draft, vocab], rank 0 only
+    ) -> StepOutput | None:
+        """``execute`` over the step channel: only rank 0 answers with the output."""
+        out = self.execute(step, draft_probs)
+        return out if self.rank == 0 else None
 
     def graph_execute(
         self,

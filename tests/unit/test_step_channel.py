@@ -1,0 +1,163 @@
+"""The plain step path's socket channel (``actors/step_channel.py``), without Ray: a real
+listener on a real socket. What the engine relies on: replies in order with their values, a
+handler's exception raised in the caller, a stranger without the token refused, a dead end
+seen at once as ``ChannelClosed``, and ``gather`` failing on the first failure without waiting
+for the others."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from keyserve.actors.step_channel import (
+    TOKEN_BYTES, ChannelClient, ChannelClosed, ChannelEndpoint, encode, gather,
+)
+
+TOKEN = b"k" * TOKEN_BYTES
+
+
+class Boom(ValueError):
+    pass
+
+
+def _endpoint(**handlers) -> tuple[ChannelEndpoint, tuple[str, int]]:
+    endpoint = ChannelEndpoint()
+    return endpoint, endpoint.open("127.0.0.1", TOKEN, handlers)
+
+
+def _call(client: ChannelClient, method: str, *args):
+    client.send(encode((method, args)))
+    return client.recv()
+
+
+def test_round_trips_carry_values_and_raise_handler_errors() -> None:
+    def fail(x):
+        raise Boom(f"bad {x}")
+
+    big = bytes(range(256)) * 2048  # 512 KiB: header and body sent apart
+    _, address = _endpoint(add=lambda a, b: a + b, echo=lambda x: x, fail=fail)
+    client = ChannelClient(address, TOKEN)
+    assert _call(client, "add", 2, 3) == 5
+    assert _call(client, "echo", big) == big
+    with pytest.raises(Boom, match="bad 7"):
+        _call(client, "fail", 7)
+    assert _call(client, "add", [1], [2]) == [1, 2]  # the channel survives a handler error
+    client.close()
+
+
+def test_an_unpicklable_error_still_arrives() -> None:
+    class Local(Exception):  # defined in a function: pickle cannot find it
+        pass
+
+    def fail():
+        raise Local("nope")
+
+    _, address = _endpoint(fail=fail)
+    client = ChannelClient(address, TOKEN)
+    with pytest.raises(RuntimeError, match="Local: nope"):
+        _call(client, "fail")
+
+
+def test_a_connection_without_the_token_is_refused() -> None:
+    _, address = _endpoint(echo=lambda x: x)
+    stranger = ChannelClient(address, b"x" * TOKEN_BYTES)
+    stranger.send(encode(("echo", (1,))))
+    with pytest.raises(ChannelClosed):
+        stranger.recv()
+    assert _call(ChannelClient(address, TOKEN), "echo", 2) == 2  # the listener still serves
+
+
+def test_a_closed_listener_and_a_dropped_connection_are_channel_closed() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()
+    accepted: list[socket.socket] = []
+    t = threading.Thread(target=lambda: accepted.append(listener.accept()[0]))
+    t.start()
+    client = ChannelClient(address, TOKEN)
+    t.join()
+    accepted[0].close()  # the actor's process died: its end closes
+    with pytest.raises(ChannelClosed):
+        client.recv()
+    listener.close()
+    with pytest.raises(ChannelClosed):
+        ChannelClient(address, TOKEN, connect_timeout_s=2.0)
+
+
+def test_the_handler_holds_the_actors_lock() -> None:
+    inside = threading.Event()
+    release = threading.Event()
+
+    def slow():
+        inside.set()
+        release.wait(5)
+        return "done"
+
+    endpoint, address = _endpoint(slow=slow)
+    client = ChannelClient(address, TOKEN)
+    client.send(encode(("slow", ())))
+    assert inside.wait(5)
+    assert not endpoint.lock.acquire(blocking=False)  # a Ray-called method would wait here
+    release.set()
+    assert client.recv() == "done"
+    assert endpoint.lock.acquire(blocking=False)
+    endpoint.lock.release()
+
+
+def test_a_new_token_opens_a_new_listener() -> None:
+    endpoint = ChannelEndpoint()
+    first = endpoint.open("127.0.0.1", TOKEN, {"one": lambda: 1})
+    assert endpoint.open("127.0.0.1", TOKEN, {"one": lambda: 1}) == first
+    other = b"o" * TOKEN_BYTES
+    second = endpoint.open("127.0.0.1", other, {"one": lambda: 1})
+    assert second != first
+    assert _call(ChannelClient(second, other), "one") == 1
+
+
+def test_gather_orders_replies_and_stops_at_the_first_failure() -> None:
+    gate = threading.Event()
+    _, fast = _endpoint(go=lambda x: x)
+    _, slow = _endpoint(go=lambda x: (gate.wait(5), x)[1])
+    a, b = ChannelClient(slow, TOKEN), ChannelClient(fast, TOKEN)
+    a.send(encode(("go", ("slow",))))
+    b.send(encode(("go", ("fast",))))
+    threading.Timer(0.2, gate.set).start()
+    assert gather([a, b], lambda: True) == ["slow", "fast"]  # in the clients' order
+
+    def fail():
+        raise Boom("rank 1")
+
+    answered = threading.Event()
+
+    def hang():
+        gate.wait(30)
+        answered.set()
+
+    _, hung = _endpoint(go=hang)
+    _, failing = _endpoint(go=fail)
+    gate.clear()
+    c, d = ChannelClient(hung, TOKEN), ChannelClient(failing, TOKEN)
+    c.send(encode(("go", ())))
+    d.send(encode(("go", ())))
+    with pytest.raises(Boom, match="rank 1"):
+        gather([c, d], lambda: True)
+    assert not answered.is_set()  # raised without waiting for the hung peer
+    gate.set()
+
+
+def test_gather_asks_whether_a_silent_actor_is_alive() -> None:
+    gate = threading.Event()
+    _, address = _endpoint(go=lambda: gate.wait(30))
+    client = ChannelClient(address, TOKEN)
+    client.send(encode(("go", ())))
+    asked = []
+
+    def still_alive() -> bool:
+        asked.append(1)
+        return len(asked) < 2
+
+    with pytest.raises(ChannelClosed, match="stopped answering"):
+        gather([client], still_alive, poll_s=0.05)
+    assert len(asked) == 2
+    gate.set()
