@@ -263,10 +263,10 @@ def main() -> None:
         f"second actor idle, the step-shaped graph adds {idle_floor['median']:.2f} ms. What the wait "
         f"adds is each process's first steps after it: the driver's read of a result that is already "
         f"there takes {reads['after 20 ms']:.2f} ms after a 20 ms sleep and {reads['after 0.5 ms']:.2f} ms "
-        f"after 0.5 ms. So on this machine no step of this shape -- the roles the issue keeps: the "
-        f"KV-block manager, then the shards -- can cost less than {step_floor['median']:.2f} ms of "
-        f"orchestration, above the 1 ms target; at batch 1 that floor alone is the share of an "
-        f"in-process step in the last column."
+        f"after 0.5 ms. So on this machine no compiled graph of this shape -- the roles the issue keeps: "
+        f"the KV-block manager, then the shards -- can cost less than {step_floor['median']:.2f} ms of "
+        f"orchestration; at batch 1 that floor alone is the share of an in-process step in the last "
+        f"column. The step channels (blocking socket reads, nobody spins) are not bound by it."
     )
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     body = (
