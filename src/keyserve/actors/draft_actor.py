@@ -21,6 +21,7 @@ import torch
 from ray.exceptions import RayError
 
 from keyserve.actors.common import ACTOR_LOST, actor_runtime_env, alive, kill_actor, new_incarnation
+from keyserve.actors.compute_thread import ComputeThread
 from keyserve.actors.step_channel import TOKEN_BYTES, ChannelClient, ChannelClosed, ChannelEndpoint, encode, gather
 from keyserve.config import ParallelConfig
 from keyserve.core.sampling_params import SamplingParams
@@ -77,17 +78,22 @@ class DraftActor:
     """Applied ``ray.remote`` by ``RemoteDrafter``."""
 
     def __init__(self, args: DraftActorArgs) -> None:
+        self.compute = ComputeThread()  # every torch call of this actor, on one thread
+        self.worker, self.weight_bytes = self.compute.run(self._build, args)
+        self.targets: dict[int, Sequence] = {}
+        self.incarnation = new_incarnation()
+        self.endpoint = ChannelEndpoint()  # the plain path's step channel (step_channel.py)
+
+    @staticmethod
+    def _build(args: DraftActorArgs) -> tuple:
         torch.manual_seed(args.seed)
         device = build.resolve_device(args.device)
         dtype = build.resolve_draft_dtype(args.draft_dtype, build.resolve_dtype(args.dtype, device.type), device.type)
         target = build.draft_target(args.target_dir, dtype, device)
-        self.worker, self.weight_bytes = build.build_drafter(
+        return build.build_drafter(
             args.draft, args.budget, target, args.num_blocks, args.block_size, dtype, device,
             graph_rows=args.graph_rows, max_model_len=args.max_model_len,
         )
-        self.targets: dict[int, Sequence] = {}
-        self.incarnation = new_incarnation()
-        self.endpoint = ChannelEndpoint()  # the plain path's step channel (step_channel.py)
 
     def ready(self) -> tuple[str, int]:
         return self.incarnation, self.weight_bytes
@@ -101,10 +107,10 @@ class DraftActor:
 
     def propose(self, batch: DraftBatch) -> tuple[DraftTokens, torch.Tensor | None]:
         with self.endpoint.lock:  # the channel's thread or Ray's, one at a time
-            return self._propose(batch)
+            return self.compute.run(self._propose, batch)
 
     def _propose(self, batch: DraftBatch) -> tuple[DraftTokens, torch.Tensor | None]:
-        self.release(batch.released)
+        self._release(batch.released)
         if batch.incarnation not in (None, self.incarnation):
             return self._nothing(resync=True), None
         targets = self._sync(batch)
@@ -119,12 +125,12 @@ class DraftActor:
         step the shards read. Returns the step, the draft probabilities (rank 0 reads them;
         [num_verify, max_draft, vocab]) and the tokens (the engine reads them)."""
         with self.endpoint.lock:
-            return self._graph_propose(step, batch)
+            return self.compute.run(self._graph_propose, step, batch)
 
     def _graph_propose(
         self, step: StepInput | None, batch: DraftBatch,
     ) -> tuple[StepInput | None, torch.Tensor | None, DraftTokens]:
-        self.release(batch.released)
+        self._release(batch.released)
         if batch.incarnation not in (None, self.incarnation):
             return step, None, self._nothing(resync=True)
         verify = [it for it in step.items if it.num_lookahead] if step is not None else []
@@ -136,7 +142,7 @@ class DraftActor:
                                            [it.num_lookahead for it in verify])
         except Exception:  # noqa: BLE001 — the step decodes without drafts (as in LLMEngine._propose)
             log.warning("drafting failed; this step decodes without drafts", exc_info=True)
-            self.release([e.seq_id for e in batch.entries])
+            self._release([e.seq_id for e in batch.entries])
             return step, None, self._nothing(failed=True)
         attach_drafts(verify, proposal.token_ids, proposal.num_draft)
         return step, proposal.probs, DraftTokens(proposal.token_ids, proposal.num_draft, self.incarnation)
@@ -165,10 +171,13 @@ class DraftActor:
 
     def release(self, seq_ids: list[int]) -> None:
         with self.endpoint.lock:
-            for seq_id in seq_ids:
-                target = self.targets.pop(seq_id, None)
-                if target is not None:
-                    self.worker.release(target)
+            self.compute.run(self._release, seq_ids)
+
+    def _release(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            target = self.targets.pop(seq_id, None)
+            if target is not None:
+                self.worker.release(target)
 
     def stats(self) -> dict[str, int]:
         with self.endpoint.lock:

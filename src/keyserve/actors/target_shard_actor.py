@@ -19,6 +19,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from keyserve.actors.compute_thread import ComputeThread
 from keyserve.actors.step_channel import ChannelEndpoint
 from keyserve.core.cpu_count import threads_per_shard, usable_cpus
 from keyserve.engine import build
@@ -70,6 +71,7 @@ class TargetShardActor:
         torch.set_num_threads(threads)
         self.runner: ModelRunner | None = None
         self.endpoint = ChannelEndpoint()  # the plain path's step channel (step_channel.py)
+        self.compute = ComputeThread()  # every torch call of this shard, on one thread
 
     def channel_address(self, token: bytes) -> tuple[str, int]:
         """Open (once per engine client) the socket the plain step path sends steps over."""
@@ -84,6 +86,9 @@ class TargetShardActor:
 
     def setup(self, host: str, port: int) -> int:
         """Join the group, load this shard, allocate its KV; returns the shard's weight bytes."""
+        return self.compute.run(self._setup, host, port)
+
+    def _setup(self, host: str, port: int) -> int:
         args, rank, size = self.args, self.rank, self.world_size
         torch.manual_seed(args.seed)  # the global RNG (unseeded sampling, Keyformer's noise)
         device = build.resolve_device(args.device)
@@ -106,7 +111,7 @@ class TargetShardActor:
     ) -> StepOutput:
         assert self.runner is not None, "setup() first"
         with self.endpoint.lock:  # the channel's thread or Ray's, one at a time
-            return self.runner.execute(step, draft_probs)
+            return self.compute.run(self.runner.execute, step, draft_probs)
 
     def channel_execute(
         self,
