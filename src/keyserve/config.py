@@ -227,8 +227,8 @@ class ParallelConfig(_Strict):
     step_channels: bool = Field(
         True, description="Without the compiled graph, send each step to the KV-block manager and the "
         "target shards over a direct socket per actor (blocking reads: no core spins; ~40 us a round "
-        "trip where a Ray actor call costs ~1 ms on a small node); false: Ray actor calls. Steps that "
-        "carry the draft actor's probabilities go by Ray call (an object reference, actor to actor)."
+        "trip where a Ray actor call costs ~1 ms on a small node), the draft actor's proposals and their "
+        "probabilities included; false: Ray actor calls (the probabilities pass actor to actor by reference)."
     )
     graph_idle_release_s: float = Field(
         2.0, gt=0.0, description="Tear the compiled step graph down after this many seconds without "

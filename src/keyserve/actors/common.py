@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import secrets
 import uuid
 
 import ray
 from ray.exceptions import RayActorError, RayError
+
+from keyserve.actors.step_channel import TOKEN_BYTES, ChannelClient
 
 
 class ShardLost(RuntimeError):
@@ -68,3 +71,10 @@ def kill_actor(actor: object) -> None:
         ray.kill(actor, no_restart=True)
     except Exception:  # noqa: BLE001 — already gone
         pass
+
+
+def open_channels(handles: list) -> list[ChannelClient]:
+    """Each actor's step channel (``step_channel.py``), opened through one Ray call per actor
+    (``channel_address``) under a fresh token."""
+    token = secrets.token_bytes(TOKEN_BYTES)
+    return [ChannelClient(address, token) for address in ray.get([h.channel_address.remote(token) for h in handles])]

@@ -13,16 +13,15 @@ placed on another node than the target group (``ParallelConfig.draft_resources``
 from __future__ import annotations
 
 import logging
-import secrets
 from dataclasses import dataclass, field
 
 import ray
 import torch
 from ray.exceptions import RayError
 
-from keyserve.actors.common import ACTOR_LOST, actor_runtime_env, alive, kill_actor, new_incarnation
+from keyserve.actors.common import ACTOR_LOST, actor_runtime_env, alive, kill_actor, new_incarnation, open_channels
 from keyserve.actors.compute_thread import ComputeThread
-from keyserve.actors.step_channel import TOKEN_BYTES, ChannelClient, ChannelClosed, ChannelEndpoint, encode, gather
+from keyserve.actors.step_channel import ChannelClient, ChannelClosed, ChannelEndpoint, encode, gather
 from keyserve.config import ParallelConfig
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import Sequence
@@ -266,8 +265,7 @@ class RemoteDrafter:
             tokens_ref, probs_ref = self.actor.propose.options(num_returns=2).remote(batch)
             return ray.get(tokens_ref), probs_ref
         if self.channel is None:
-            token = secrets.token_bytes(TOKEN_BYTES)
-            self.channel = ChannelClient(ray.get(self.actor.channel_address.remote(token)), token)
+            (self.channel,) = open_channels([self.actor])
         self.channel.send(encode(("propose", (batch,))))
         return gather([self.channel], lambda: alive([self.actor]))[0]
 

@@ -10,14 +10,15 @@ model-side ops a commit produces (forks, compactions, releases) ride in that ``S
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayError
 
-from keyserve.actors.common import ACTOR_LOST, CoreLost, actor_runtime_env, alive, kill_actor, new_incarnation
-from keyserve.actors.step_channel import TOKEN_BYTES, ChannelClient, ChannelClosed, ChannelEndpoint, encode, gather
+from keyserve.actors.common import (
+    ACTOR_LOST, CoreLost, actor_runtime_env, alive, kill_actor, new_incarnation, open_channels,
+)
+from keyserve.actors.step_channel import ChannelClient, ChannelClosed, ChannelEndpoint, encode, gather
 from keyserve.config import ParallelConfig
 from keyserve.core.sequence import FinishReason, Sequence
 from keyserve.engine.build import KVCoreArgs, build_core
@@ -217,8 +218,7 @@ class RemoteCore:
     def _channel(self) -> ChannelClient:
         """The step channel to the current actor (opened through Ray at first use)."""
         if self.channel is None:
-            token = secrets.token_bytes(TOKEN_BYTES)
-            self.channel = ChannelClient(ray.get(self.actor.channel_address.remote(token)), token)
+            (self.channel,) = open_channels([self.actor])
         return self.channel
 
     def close_channel(self) -> None:

@@ -8,16 +8,14 @@ call) to rank 0 only, and one wait collects the step -- no per-token or per-laye
 
 from __future__ import annotations
 
-import secrets
-
 import ray
 import torch
 from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from keyserve.actors.common import ACTOR_LOST, ShardLost, actor_runtime_env, alive, kill_actor
-from keyserve.actors.step_channel import TOKEN_BYTES, ChannelClient, ChannelClosed, encode, gather
+from keyserve.actors.common import ACTOR_LOST, ShardLost, actor_runtime_env, alive, kill_actor, open_channels
+from keyserve.actors.step_channel import ChannelClient, ChannelClosed, encode, gather
 from keyserve.actors.target_shard_actor import TargetShardActor, ShardArgs, check_tp_fits
 from keyserve.config import ParallelConfig
 from keyserve.engine.step_input import RunnerOp, StepInput, StepOutput
@@ -77,9 +75,7 @@ class TargetGroup:
             host, port = ray.get(self.workers[0].master_address.remote())
             self.weight_bytes = sum(ray.get([w.setup.remote(host, port) for w in self.workers]))
             if p.step_channels:
-                token = secrets.token_bytes(TOKEN_BYTES)
-                addresses = ray.get([w.channel_address.remote(token) for w in self.workers])
-                self.channels = [ChannelClient(a, token) for a in addresses]
+                self.channels = open_channels(self.workers)
         except BaseException:
             self._kill()
             raise
@@ -111,12 +107,11 @@ class TargetGroup:
                 ready, pending = ray.wait(pending, num_returns=1)
                 ray.get(ready)
             return ray.get(refs[0])
-        except ACTOR_LOST as e:
-            raise ShardLost(f"a target shard died: {e}") from e
         except Exception as e:
-            if alive(self.workers):
+            lost = self._lost(e)
+            if lost is None:
                 raise  # a real error in the step, not a lost shard
-            raise ShardLost(f"a target shard died: {e}") from e
+            raise lost from e
 
     def _execute_over_channels(
         self,
@@ -131,12 +126,18 @@ class TargetGroup:
             for i, channel in enumerate(self.channels):
                 channel.send(first if i == 0 else others)
             return gather(self.channels, lambda: alive(self.workers))[0]
-        except ChannelClosed as e:
-            raise ShardLost(f"a target shard died: {e}") from e
         except Exception as e:
-            if alive(self.workers):
+            lost = self._lost(e)
+            if lost is None:
                 raise  # a real error in the step, not a lost shard
-            raise ShardLost(f"a target shard died: {e}") from e
+            raise lost from e
+
+    def _lost(self, error: Exception) -> ShardLost | None:
+        """A failed step's ``ShardLost`` when a shard died (an actor error, a closed channel, or
+        a peer that no longer answers); None when it is the step's own error."""
+        if isinstance(error, (ChannelClosed, *ACTOR_LOST)) or not alive(self.workers):
+            return ShardLost(f"a target shard died: {error}")
+        return None
 
     # ------------------------------------------------------------- lifecycle
     def restart(self) -> None:
