@@ -32,9 +32,10 @@ from bench.report import markdown_table, update_section  # noqa: E402
 from bench.workloads import documents  # noqa: E402
 
 BATCHES = (1, 16)
-# The step paths: the compiled graph; plain calls over the step channels (the default on a CPU
-# without cores to spare); plain calls as Ray actor calls (``step_channels=False``).
-PATHS = ("graph", "channels", "ray calls")
+# The step paths: the compiled graph; the same graph relayed actor to actor over the step
+# channels (the default on a CPU without cores to spare); the driver calling each actor over
+# its step channel (``step_relay=False``); plain Ray actor calls (``step_channels=False``).
+PATHS = ("graph", "relay", "channels", "ray calls")
 # The engines take turns: a waiting engine's compiled graph is released this soon, so its
 # busy-waiting actors do not take the cores of the one being timed (each timed run compiles
 # again in its untimed prefill steps).
@@ -78,12 +79,12 @@ class RunnerTime:
 
 
 def ray_calls(engine) -> list[Timer]:
-    """Timers on where the driver waits for Ray: the compiled graph's run, or the plain
-    path's KV-block manager call and target group call (the draft call rides inside them)."""
+    """Timers on where the driver waits for Ray: the graph's run (compiled or relayed), or the
+    plain path's KV-block manager call and target group call (the draft call rides inside them)."""
     if not hasattr(engine, "core_client"):
         return []
-    if engine.config.parallel.compiled_graph:
-        assert engine._graph is not None, "compiled by the steps before"
+    if engine.compiled_graph or engine.relayed:
+        assert engine._graph is not None, "built by the steps before"
         return [Timer(engine._graph, "run")]
     return [Timer(engine.core, "schedule"), Timer(engine.runner, "execute")]
 
@@ -208,7 +209,8 @@ def main() -> None:
             for path in PATHS if tp == 1 else PATHS[:2]:
                 engines[f"ray tp={tp} {path}"] = RayEngine(EngineConfig.from_flat(
                     **opts, tp=tp, worker_threads=max(1, args.threads // tp), worker_num_cpus=0.1,
-                    compiled_graph=path == "graph", step_channels=path == "channels",
+                    compiled_graph=path == "graph", step_channels=path in ("relay", "channels"),
+                    step_relay=path == "relay",
                     graph_idle_release_s=IDLE_RELEASE_S))
         rtt = round_trip_ms(engines["ray tp=1 graph"])
         by_batch = {b: interleaved(engines, b, args.decode_tokens, args.repeats) for b in BATCHES}
@@ -273,9 +275,11 @@ def main() -> None:
         f"{args.model or 'SmolLM2-135M-Instruct'}, float32, greedy, {args.decode_tokens} decode tokens per request after "
         f"a 32-token prompt; torch threads {args.threads} (TP=N: {args.threads} // N, at least 1, per shard); "
         f"the engines take turns, best of {args.repeats}. *graph*: each step one execution of the Ray Compiled "
-        f"Graph (KV-block manager -> target shards, shared-memory channels); *channels*: the driver calls the "
-        f"KV-block manager, then the target group, each over the actor's step channel (a socket, blocking "
-        f"reads); *ray calls*: the same calls as Ray actor calls. TP > 1 runs the first two. *Outside the runner* is a step's wall time minus the time "
+        f"Graph (KV-block manager -> target shards, shared-memory channels); *relay*: the same graph over the "
+        f"actors' step channels (sockets, blocking reads): the driver sends the KV-block manager its request, "
+        f"the KV-block manager hands the step to the shards, the shards answer the driver; *channels*: the "
+        f"driver calls the KV-block manager, then the target group, each over its step channel; *ray calls*: "
+        f"the same calls as Ray actor calls. TP > 1 runs the first two. *Outside the runner* is a step's wall time minus the time "
         f"the model runner (rank 0) reports for its own work; the Ray orchestration cost is that figure for "
         f"Ray minus the in-process one. *Waiting in Ray* is the time the driver spends in the graph's "
         f"submit-and-read (or the plain calls) beyond the runner's work. A bare Ray actor call costs "

@@ -230,6 +230,12 @@ class ParallelConfig(_Strict):
         "trip where a Ray actor call costs ~1 ms on a small node), the draft actor's proposals and their "
         "probabilities included; false: Ray actor calls (the probabilities pass actor to actor by reference)."
     )
+    step_relay: bool = Field(
+        True, description="With step channels, relay each step actor to actor as the compiled graph does "
+        "(the KV-block manager hands the step to the draft actor or the shards, the shards answer the "
+        "driver): three socket hops on the step's critical path instead of four, and the driver's "
+        "bookkeeping overlaps the shards' forward; false: the driver calls each actor in turn."
+    )
     graph_idle_release_s: float = Field(
         2.0, gt=0.0, description="Tear the compiled step graph down after this many seconds without "
         "requests: its actors busy-wait on their channels (a core each) while it exists. The next "

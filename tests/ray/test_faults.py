@@ -1,8 +1,9 @@
 """Faults: kill a target shard, the draft actor or the KV-block manager actor in the middle of
 a generation. The actor is replaced (restarted by Ray or recreated), every request completes
 with the tokens it would have had (recomputed from the tokens the engine keeps), decoding goes
-on without speculation while the draft is away, and no KV block leaks. Each on both step paths:
-the compiled graph, and plain calls over the step channels (a killed actor's socket closes)."""
+on without speculation while the draft is away, and no KV block leaks. Each on three step
+paths: the compiled graph, the same graph relayed actor to actor over the step channels, and
+the driver calling each actor over its step channel (a killed actor's sockets close)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from ray.exceptions import RayActorError
 from helpers.drive import run_with_action
 
 from keyserve import LLM, SamplingParams
+from keyserve.actors.channel_graph import ChannelGraph
 from keyserve.actors.ray_engine import RayEngine
+from keyserve.actors.step_channel import ChannelClosed
 from keyserve.actors.step_graph import StepGraph
 from keyserve.llm import RayLLM
 
@@ -32,11 +35,12 @@ def reference(stories_path: str, draft_dir: str) -> LLM:
     return LLM(stories_path, draft=draft_dir, **OPTIONS)
 
 
-@pytest.fixture(scope="module", params=["graph", "channels"])
+@pytest.fixture(scope="module", params=["graph", "relay", "channels"])
 def engine(request, stories_path: str, draft_dir: str):
     llm = RayLLM(stories_path, draft=draft_dir, tensor_parallel_size=2, worker_threads=1,
                  worker_num_cpus=0.1, max_restarts=2, compiled_graph=request.param == "graph",
-                 step_channels=True, **OPTIONS)
+                 step_channels=True, step_relay=request.param == "relay", **OPTIONS)
+    assert llm.engine.relayed == (request.param == "relay")
     yield llm.engine
     llm.shutdown()
 
@@ -126,23 +130,24 @@ def test_kv_manager_lost_after_the_shards_sampled(engine: RayEngine, reference: 
     (their generators rewind, ``core.generator_marks``). The fault is timed by hand here (Ray's
     teardown outrunning the driver's read happens only now and then): the step's real result
     is dropped as the actor is killed."""
-    if not engine.compiled_graph:
-        pytest.skip("the graph's lost step; the plain path's is tests/engine/test_lost_step.py")
+    if not (engine.compiled_graph or engine.relayed):
+        pytest.skip("the graphs' lost step; the plain path's is tests/engine/test_lost_step.py")
     prompts, params = _workload(2, seeded_plain=True)
     core = engine.core_client
     losses = core.num_losses
-    real_run = StepGraph.run
+    graph_class = StepGraph if engine.compiled_graph else ChannelGraph
+    real_run = graph_class.run
     calls = []
 
-    def run(graph: StepGraph, request, batch):
+    def run(graph, request, batch):
         result = real_run(graph, request, batch)
         calls.append(result)
         if len(calls) == 5:  # a decoding step: every seeded request sampled in it
             ray.kill(core.actor, no_restart=False)
-            raise RayActorError()
+            raise RayActorError() if engine.compiled_graph else ChannelClosed("the actor closed its step channel")
         return result
 
-    monkeypatch.setattr(StepGraph, "run", run)
+    monkeypatch.setattr(graph_class, "run", run)
     got = _run(engine, prompts, params, lambda: None)
     monkeypatch.undo()
     assert core.num_losses == losses + 1

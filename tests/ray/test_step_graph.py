@@ -1,6 +1,7 @@
 """The step as one Ray Compiled Graph (KV-block manager -> draft actor -> target shards): it is
 compiled once and re-executed; the driver makes no plain actor call per step; and its outputs
-equal the plain-actor path's and the in-process engine's (greedy tokens, seeded samples,
+equal the plain-actor paths' (Ray calls, step channels called by the driver, the step relayed
+actor to actor over the channels) and the in-process engine's (greedy tokens, seeded samples,
 log-probabilities, speculation statistics) with a draft at TP = 2, n > 1 forks and preemptions."""
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def test_compiled_graph_equals_plain_actors_and_in_process(stories_path: str, dr
     with RayLLM(stories_path, compiled_graph=False, step_channels=False, **opts) as ray_calls_llm:
         ray_calls = ray_calls_llm.generate(prompts, params)
         assert ray_calls_llm.engine.core_client.channel is None and not ray_calls_llm.engine.group.channels
-    with RayLLM(stories_path, compiled_graph=False, **opts) as plain_llm:
+    with RayLLM(stories_path, compiled_graph=False, step_relay=False, **opts) as plain_llm:
         engine = plain_llm.engine
         # plain calls go over the step channels: never a Ray call to the KV-block manager's
         # step or the draft actor's propose, and every step reaches both shards over theirs
@@ -109,6 +110,20 @@ def test_compiled_graph_equals_plain_actors_and_in_process(stories_path: str, dr
         assert engine.core_client.channel is not None and engine.drafter_client.channel is not None
         steps, drafted_by_ray = by_ray
         assert sends == [steps, steps] and steps > 20 and drafted_by_ray == 0
+        assert engine.speculative.stats.num_draft_tokens > 0
+    with RayLLM(stories_path, compiled_graph=False, **opts) as relay_llm:
+        engine = relay_llm.engine
+        assert engine.relayed and not engine.compiled_graph
+        # The relayed graph: the driver sends the KV-block manager its request and reads the
+        # actors' replies; it never calls the target group or the draft actor itself, nor the
+        # KV-block manager's step by Ray or by plain channel call (but once when idle).
+        _forbid(engine.core_client, "_call", unless={"schedule": False})
+        _forbid(engine.group, "execute")
+        _forbid(engine.drafter_client, "propose")
+        engine.core_client.actor = _NoRayCall(engine.core_client.actor, "step")
+        relayed = relay_llm.generate(prompts, params)
+        assert engine.num_steps > 20 and engine.num_graph_compiles == 0
+        assert engine._graph is not None and engine._graph.has_draft
         assert engine.speculative.stats.num_draft_tokens > 0
     with RayLLM(stories_path, compiled_graph=True, **opts) as llm:
         engine = llm.engine
@@ -126,7 +141,7 @@ def test_compiled_graph_equals_plain_actors_and_in_process(stories_path: str, dr
         engine.flush()
         view = engine.check_consistent()
         assert view.num_free_blocks == view.num_blocks
-    for other in (ray_calls, plain, got):
+    for other in (ray_calls, plain, relayed, got):
         for a, b in zip(want, other, strict=True):
             assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]
             for x, y in zip(a.outputs, b.outputs):

@@ -8,6 +8,14 @@ import threading
 import pytest
 
 from keyserve.actors.compute_thread import ComputeThread
+from keyserve.actors.step_channel import TOKEN_BYTES, ChannelClient, ChannelEndpoint, encode
+
+TOKEN = b"c" * TOKEN_BYTES
+
+
+def _call(client: ChannelClient, method: str, *args):
+    client.send(encode((method, args)))
+    return client.recv()
 
 
 def test_calls_from_any_thread_run_on_the_same_one() -> None:
@@ -32,3 +40,38 @@ def test_results_and_exceptions_come_back() -> None:
     with pytest.raises(KeyError, match="no such sequence"):
         compute.run(fail)
     assert compute.run(sum, [1, 2]) == 3  # still serving
+
+
+def test_the_step_channel_is_served_on_the_compute_thread() -> None:
+    """No hand-off between threads: the handler runs on the thread that runs the torch work,
+    and may itself call ``run`` (inline, not queued behind itself)."""
+    compute = ComputeThread()
+    endpoint = ChannelEndpoint(compute)
+    assert endpoint.lock is compute.lock
+    address = endpoint.open("127.0.0.1", TOKEN, {
+        "where": threading.get_ident,
+        "nested": lambda: compute.run(threading.get_ident),
+    })
+    client = ChannelClient(address, TOKEN)
+    home = compute.run(threading.get_ident)
+    assert _call(client, "where") == home
+    assert _call(client, "nested") == home
+
+
+def test_work_from_other_threads_runs_while_a_channel_is_open() -> None:
+    """An idle adopted connection does not keep queued work (a Ray-called method's) waiting,
+    and a held lock makes both wait: everything on the thread runs under the actor's lock."""
+    compute = ComputeThread()
+    endpoint = ChannelEndpoint(compute)
+    client = ChannelClient(endpoint.open("127.0.0.1", TOKEN, {"echo": lambda x: x}), TOKEN)
+    assert _call(client, "echo", 1) == 1
+    assert compute.run(lambda: 5) == 5
+    ran = threading.Event()
+    with compute.lock:
+        worker = threading.Thread(target=lambda: (compute.run(lambda: None), ran.set()))
+        worker.start()
+        assert not ran.wait(0.2)
+    assert ran.wait(5)
+    assert _call(client, "echo", 2) == 2
+    client.close()
+    assert compute.run(lambda: 6) == 6  # a closed connection is dropped, the thread goes on

@@ -2,7 +2,9 @@
 listener on a real socket. What the engine relies on: replies in order with their values, a
 handler's exception raised in the caller, a stranger without the token refused, a dead end
 seen at once as ``ChannelClosed``, and ``gather`` failing on the first failure without waiting
-for the others."""
+for the others. Every test runs twice: the handler on the connection's own thread (the
+KV-block manager) and on an actor's ``ComputeThread``, which then reads the socket itself (the
+shards, the draft actor)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import threading
 
 import pytest
 
+from keyserve.actors.compute_thread import ComputeThread
 from keyserve.actors.step_channel import (
-    TOKEN_BYTES, ChannelClient, ChannelClosed, ChannelEndpoint, encode, gather,
+    ACCEPTED, DESTINATION, TOKEN_BYTES, ChannelClient, ChannelClosed, ChannelEndpoint, encode, gather,
 )
 
 TOKEN = b"k" * TOKEN_BYTES
@@ -22,8 +25,21 @@ class Boom(ValueError):
     pass
 
 
+SERVING = {"on": "connection thread"}
+
+
+@pytest.fixture(autouse=True, params=["connection thread", "compute thread"])
+def serving(request: pytest.FixtureRequest) -> str:
+    SERVING["on"] = request.param
+    return request.param
+
+
+def _new_endpoint() -> ChannelEndpoint:
+    return ChannelEndpoint(ComputeThread() if SERVING["on"] == "compute thread" else None)
+
+
 def _endpoint(**handlers) -> tuple[ChannelEndpoint, tuple[str, int]]:
-    endpoint = ChannelEndpoint()
+    endpoint = _new_endpoint()
     return endpoint, endpoint.open("127.0.0.1", TOKEN, handlers)
 
 
@@ -62,10 +78,8 @@ def test_an_unpicklable_error_still_arrives() -> None:
 
 def test_a_connection_without_the_token_is_refused() -> None:
     _, address = _endpoint(echo=lambda x: x)
-    stranger = ChannelClient(address, b"x" * TOKEN_BYTES)
-    stranger.send(encode(("echo", (1,))))
-    with pytest.raises(ChannelClosed):
-        stranger.recv()
+    with pytest.raises(ChannelClosed, match="refused"):
+        ChannelClient(address, b"x" * TOKEN_BYTES)
     assert _call(ChannelClient(address, TOKEN), "echo", 2) == 2  # the listener still serves
 
 
@@ -73,7 +87,14 @@ def test_a_closed_listener_and_a_dropped_connection_are_channel_closed() -> None
     listener = socket.create_server(("127.0.0.1", 0))
     address = listener.getsockname()
     accepted: list[socket.socket] = []
-    t = threading.Thread(target=lambda: accepted.append(listener.accept()[0]))
+
+    def accept() -> None:
+        conn = listener.accept()[0]
+        conn.recv(TOKEN_BYTES + 1)
+        conn.sendall(ACCEPTED)
+        accepted.append(conn)
+
+    t = threading.Thread(target=accept)
     t.start()
     client = ChannelClient(address, TOKEN)
     t.join()
@@ -106,7 +127,7 @@ def test_the_handler_holds_the_actors_lock() -> None:
 
 
 def test_a_new_token_opens_a_new_listener() -> None:
-    endpoint = ChannelEndpoint()
+    endpoint = _new_endpoint()
     first = endpoint.open("127.0.0.1", TOKEN, {"one": lambda: 1})
     assert endpoint.open("127.0.0.1", TOKEN, {"one": lambda: 1}) == first
     other = b"o" * TOKEN_BYTES
@@ -161,3 +182,41 @@ def test_gather_asks_whether_a_silent_actor_is_alive() -> None:
         gather([client], still_alive, poll_s=0.05)
     assert len(asked) == 2
     gate.set()
+
+
+def test_a_relayed_message_is_answered_to_the_engine() -> None:
+    """The relayed step's plumbing (``channel_graph.py``): a head actor hands its input on over
+    a relay connection to two "shards", which answer on the engine's destination connections,
+    not to the head; the head answers the engine itself. An error in a relayed handler reaches
+    the engine too."""
+    from keyserve.actors.relay import SHARDS, Relay
+
+    def shard(rank: int):
+        def graph_execute(step, probs):
+            if step == "BAD":
+                raise Boom(f"rank {rank} failed")
+            return (rank, step, probs)
+        return graph_execute
+
+    shard_ends = [_endpoint(graph_execute=shard(r)) for r in range(2)]
+    relay = Relay()
+
+    def relay_step(request, batch):
+        relay.to_shards(request.upper(), batch)
+        return "scheduled " + request
+
+    _, head = _endpoint(relay_step=relay_step)
+    destinations = [ChannelClient(address, TOKEN, role=DESTINATION) for _, address in shard_ends]
+    head_client = ChannelClient(head, TOKEN, role=DESTINATION)
+    relay.connect(TOKEN, SHARDS, [address for _, address in shard_ends])
+    clients = [head_client, *destinations]
+    head_client.send(encode(("relay_step", ("step", "probs"))))
+    assert gather(clients, lambda: True) == ["scheduled step", (0, "STEP", "probs"), (1, "STEP", None)]
+    head_client.send(encode(("relay_step", ("bad", None))))
+    with pytest.raises(Boom, match="rank"):
+        gather(clients[1:], lambda: True)
+    assert head_client.recv() == "scheduled bad"
+    with pytest.raises(RuntimeError, match="relays to nobody"):
+        Relay().to_shards("step")
+    with pytest.raises(ChannelClosed, match="refused"):
+        ChannelClient(shard_ends[0][1], TOKEN, role=b"?")  # no such role

@@ -21,6 +21,7 @@ from ray.exceptions import RayError
 
 from keyserve.actors.common import ACTOR_LOST, actor_runtime_env, alive, kill_actor, new_incarnation, open_channels
 from keyserve.actors.compute_thread import ComputeThread
+from keyserve.actors.relay import Relay
 from keyserve.actors.step_channel import ChannelClient, ChannelClosed, ChannelEndpoint, encode, gather
 from keyserve.config import ParallelConfig
 from keyserve.core.sampling_params import SamplingParams
@@ -81,7 +82,8 @@ class DraftActor:
         self.worker, self.weight_bytes = self.compute.run(self._build, args)
         self.targets: dict[int, Sequence] = {}
         self.incarnation = new_incarnation()
-        self.endpoint = ChannelEndpoint()  # the plain path's step channel (step_channel.py)
+        self.endpoint = ChannelEndpoint(self.compute)  # the plain path's step channel (step_channel.py)
+        self.relay = Relay()  # the relayed step's next hop: the shards (channel_graph.py)
 
     @staticmethod
     def _build(args: DraftActorArgs) -> tuple:
@@ -99,14 +101,26 @@ class DraftActor:
 
     def channel_address(self, token: bytes) -> tuple[str, int]:
         """Open (once per engine client) the socket the plain step path proposes over."""
-        return self.endpoint.open(ray.util.get_node_ip_address(), token, {"propose": self.propose})
+        return self.endpoint.open(ray.util.get_node_ip_address(), token,
+                                  {"propose": self.propose, "relay_propose": self.relay_propose})
+
+    def relay_to(self, token: bytes, kind: str, addresses: list[tuple[str, int]]) -> None:
+        """Connect the relayed step's next hop (the target shards)."""
+        with self.endpoint.lock:
+            self.relay.connect(token, kind, addresses)
+
+    def relay_propose(self, step: StepInput | None, batch: DraftBatch) -> tuple[StepInput | None, DraftTokens]:
+        """The relayed step's draft hop: ``graph_propose``, the step and the probabilities
+        handed to the shards before the engine gets the drafts and the step."""
+        step, probs, drafts = self.graph_propose(step, batch)
+        self.relay.to_shards(step, probs)
+        return step, drafts
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
     def propose(self, batch: DraftBatch) -> tuple[DraftTokens, torch.Tensor | None]:
-        with self.endpoint.lock:  # the channel's thread or Ray's, one at a time
-            return self.compute.run(self._propose, batch)
+        return self.compute.run(self._propose, batch)  # one at a time, whoever asks
 
     def _propose(self, batch: DraftBatch) -> tuple[DraftTokens, torch.Tensor | None]:
         self._release(batch.released)
@@ -123,8 +137,7 @@ class DraftActor:
         the items the KV-block manager reserved lookahead for, and write the drafts into the
         step the shards read. Returns the step, the draft probabilities (rank 0 reads them;
         [num_verify, max_draft, vocab]) and the tokens (the engine reads them)."""
-        with self.endpoint.lock:
-            return self.compute.run(self._graph_propose, step, batch)
+        return self.compute.run(self._graph_propose, step, batch)
 
     def _graph_propose(
         self, step: StepInput | None, batch: DraftBatch,
@@ -169,8 +182,7 @@ class DraftActor:
         return targets
 
     def release(self, seq_ids: list[int]) -> None:
-        with self.endpoint.lock:
-            self.compute.run(self._release, seq_ids)
+        self.compute.run(self._release, seq_ids)
 
     def _release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:

@@ -18,6 +18,7 @@ from ray.exceptions import RayError
 from keyserve.actors.common import (
     ACTOR_LOST, CoreLost, actor_runtime_env, alive, kill_actor, new_incarnation, open_channels,
 )
+from keyserve.actors.relay import DRAFT, Relay
 from keyserve.actors.step_channel import ChannelClient, ChannelClosed, ChannelEndpoint, encode, gather
 from keyserve.config import ParallelConfig
 from keyserve.core.sequence import FinishReason, Sequence
@@ -39,13 +40,33 @@ class KVManagerActor:
         self.incarnation = new_incarnation()
         self.applied = -1  # the last command batch applied (a batch may arrive twice)
         self.endpoint = ChannelEndpoint()  # the plain path's step channel (step_channel.py)
+        self.relay = Relay()  # where a relayed step goes next (channel_graph.py)
 
     def ready(self) -> str:
         return self.incarnation
 
     def channel_address(self, token: bytes) -> tuple[str, int]:
-        """Open (once per engine client) the socket the plain step path calls ``step`` over."""
-        return self.endpoint.open(ray.util.get_node_ip_address(), token, {"step": self.step})
+        """Open (once per engine client) the socket the plain step path calls ``step`` over
+        (and the relayed step graph ``relay_step``)."""
+        return self.endpoint.open(ray.util.get_node_ip_address(), token,
+                                  {"step": self.step, "relay_step": self.relay_step})
+
+    def relay_to(self, token: bytes, kind: str, addresses: list[tuple[str, int]]) -> None:
+        """Connect the relayed step's next hop: the draft actor or the target shards."""
+        with self.endpoint.lock:
+            self.relay.connect(token, kind, addresses)
+
+    def relay_step(
+        self, request: "CoreRequest", batch: object | None,
+    ) -> tuple[StepInput | None, tuple[CoreReply, CoreStats] | None]:
+        """The relayed step's first hop: ``graph_step``, the step handed on (with the engine's
+        draft batch, to the draft actor, or to the shards) before the engine gets the answer."""
+        step, answer = self.graph_step(request)
+        if self.relay.kind == DRAFT:
+            self.relay.to_draft(step, batch)
+        else:
+            self.relay.to_shards(step)
+        return step, answer
 
     def step(
         self, batches: list[Batch], schedule: bool, lookahead: dict[int, int] | None,

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from keyserve.actors.channel_graph import ChannelGraph
 from keyserve.actors.common import CoreLost, DraftLost, ShardLost, alive, ensure_ray
 from keyserve.actors.draft_actor import DraftActorArgs, RemoteDrafter
 from keyserve.actors.kv_manager_actor import RemoteCore
@@ -50,7 +51,7 @@ class RayEngine(LLMEngine):
         self.group: TargetGroup | None = None
         self.drafter_client: RemoteDrafter | None = None
         self.core_client: RemoteCore | None = None
-        self._graph: StepGraph | None = None
+        self._graph: StepGraph | ChannelGraph | None = None
         self.num_graph_compiles = 0
         self.num_graph_releases = 0
         # The step and the idle release both touch the graph: one at a time.
@@ -70,6 +71,8 @@ class RayEngine(LLMEngine):
         self.compiled_graph = use_compiled_graph(
             par.compiled_graph, bool(self.group is not None and self.group.num_gpus), usable_cpus(),
             par.tensor_parallel_size, par.worker_threads, self.drafter_client is not None)
+        # Without the compiled graph, the step channels relay the step the graph's way.
+        self.relayed = not self.compiled_graph and par.step_channels and par.step_relay
         if self.compiled_graph:
             self._idle_reaper = threading.Thread(target=self._release_when_idle, daemon=True,
                                                  name="keyserve-graph-idle")
@@ -139,7 +142,7 @@ class RayEngine(LLMEngine):
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        if not self.compiled_graph:
+        if not (self.compiled_graph or self.relayed):
             return super()._step()
         with self._graph_lock:
             try:
@@ -161,8 +164,9 @@ class RayEngine(LLMEngine):
                     self.num_graph_releases += 1
 
     def _graph_step(self) -> list[RequestOutput]:
-        """``LLMEngine._step`` as one execution of the compiled step graph: schedule, propose
-        and verify run actor to actor; the driver submits, reads, and runs its stop checks."""
+        """``LLMEngine._step`` as one execution of the step graph (compiled, or relayed over the
+        step channels): schedule, propose and verify run actor to actor; the driver submits,
+        reads, and runs its stop checks."""
         assert self.group is not None and self.core_client is not None
         drafter = self.drafter_client
         speculate = drafter is not None and drafter.available
@@ -187,9 +191,9 @@ class RayEngine(LLMEngine):
         self.num_steps += 1
         return self._accept(step, result.output)
 
-    def _graph_for(self, speculate: bool) -> StepGraph:
-        """The graph over the current actors (compiled again only when one was replaced, or
-        the draft left or came back)."""
+    def _graph_for(self, speculate: bool) -> StepGraph | ChannelGraph:
+        """The graph over the current actors (built again only when one was replaced, or the
+        draft left or came back, or a step failed)."""
         assert self.group is not None and self.core_client is not None
         if not self.group.workers:
             raise ShardLost("the target group is being replaced")
@@ -197,6 +201,9 @@ class RayEngine(LLMEngine):
         key = graph_key(self.core_client.actor, self.group.workers, draft)
         if self._graph is None or self._graph.key != key:
             self._drop_graph()
+            if self.relayed:
+                self._graph = ChannelGraph(self.core_client.actor, self.group.workers, draft)
+                return self._graph
             timeout = self.config.parallel.collective_timeout_s + 60.0
             self._graph = StepGraph(self.core_client.actor, self.group.workers, draft, timeout)
             self.num_graph_compiles += 1

@@ -9,8 +9,10 @@ a round trip costs ~40 us and nobody spins.
 Ray still creates, places, restarts and pings the actors; only the step's request and reply
 travel here. An actor opens its listener on its node's address when the engine first asks
 (``ChannelServer``), and accepts only a connection that presents the engine's random token
-first. The handler runs on the listener's thread under the actor's lock, so it never overlaps
-the actor's Ray-called methods. A dead actor closes its socket: the engine sees end-of-file at
+first. The handler runs under the actor's lock, so it never overlaps the actor's Ray-called
+methods: on the connection's own thread, or, for an actor with a ``ComputeThread`` (the shards
+and the draft actor), on that thread, which then reads the socket itself (no hand-off between
+threads on the step's way in or out). A dead actor closes its socket: the engine sees end-of-file at
 once (``ChannelClosed``), where a Ray call would raise an actor error.
 
 Messages are length-prefixed pickles: ``(method, args)`` one way, ``(ok, value)`` back, where a
@@ -19,6 +21,7 @@ handler's exception travels as the value and is raised again in the caller.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import pickle
@@ -27,11 +30,23 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from keyserve.actors.compute_thread import ComputeThread
 
 log = logging.getLogger(__name__)
 
 TOKEN_BYTES = 32
+# A connection's role, the byte after its token. A call's reply goes back on its own connection;
+# the engine's destination connection also receives the replies to relayed messages, which
+# another actor sends on a relay connection (``channel_graph.py``: the KV-block manager hands
+# the step to the shards, which answer the engine).
+CALL, DESTINATION, RELAY = b"C", b"D", b"R"
+ROLES = (CALL, DESTINATION, RELAY)
+# The actor's answer to a handshake, once the connection is served (and a destination is known
+# as such): a relayed message can never arrive before its destination is.
+ACCEPTED = b"A"
 _HEADER = struct.Struct("<Q")
 _SMALL = 1 << 16  # below this a message goes out in one write (header and body together)
 
@@ -76,11 +91,13 @@ def _recv(sock: socket.socket) -> object:
 
 class ChannelServer:
     """An actor's listener: serves ``handlers`` (method name -> callable) under ``lock`` (the
-    one the actor's Ray-called methods take)."""
+    one the actor's Ray-called methods take), on ``compute``'s thread when there is one."""
 
     def __init__(self, host: str, token: bytes, handlers: dict[str, Callable[..., Any]],
-                 lock: threading.RLock) -> None:
-        self.token, self.handlers, self.lock = token, handlers, lock
+                 lock: threading.RLock, compute: ComputeThread | None = None) -> None:
+        self.token, self.handlers, self.lock, self.compute = token, handlers, lock, compute
+        self.destination: socket.socket | None = None  # where relayed messages are answered
+        self._send_lock = threading.Lock()
         self.listener = socket.create_server((host, 0))
         self.address: tuple[str, int] = (host, self.listener.getsockname()[1])
         threading.Thread(target=self._accept, daemon=True, name="keyserve-step-channel").start()
@@ -98,15 +115,47 @@ class ChannelServer:
         with conn:
             try:
                 conn.settimeout(30.0)
-                if not hmac.compare_digest(bytes(_recv_exact(conn, TOKEN_BYTES)), self.token):
+                hello = bytes(_recv_exact(conn, TOKEN_BYTES + 1))
+                token, role = hello[:TOKEN_BYTES], hello[TOKEN_BYTES:]
+                if not hmac.compare_digest(token, self.token):
                     log.warning("step channel: a connection without the engine's token was refused")
                     return
+                if role not in ROLES:
+                    log.warning("step channel: a connection with an unknown role %r was refused", role)
+                    return
                 conn.settimeout(None)
-                while True:
-                    method, args = _recv(conn)  # type: ignore[misc]
-                    _send(conn, self._reply(method, args))
+                kept = conn.dup() if self.compute is not None else conn
+                if role == DESTINATION:
+                    self.destination = kept
+                serve_one = functools.partial(self._serve_one, relayed=role == RELAY)
+                if self.compute is not None:
+                    self.compute.adopt(kept, serve_one)
+                    conn.sendall(ACCEPTED)
+                    return
+                conn.sendall(ACCEPTED)
+                while serve_one(conn):
+                    pass
             except (ChannelClosed, OSError):
                 return  # the engine went away (or reconnects)
+
+    def _serve_one(self, conn: socket.socket, relayed: bool = False) -> bool:
+        """Read one message and answer it (a relayed one on the engine's destination
+        connection); False once the sender went away (or reconnects)."""
+        try:
+            method, args = _recv(conn)  # type: ignore[misc]
+        except (ChannelClosed, OSError):
+            return False
+        payload = self._reply(method, args)
+        to = self.destination if relayed else conn
+        if to is None:
+            log.warning("step channel: a relayed %r has no engine to answer", method)
+            return True
+        try:
+            with self._send_lock:
+                _send(to, payload)
+        except OSError:
+            return relayed  # the engine went away; a relay stays for its next one
+        return True
 
     def _reply(self, method: str, args: tuple) -> bytes:
         try:
@@ -124,10 +173,12 @@ class ChannelServer:
 
 
 class ChannelEndpoint:
-    """An actor's side: its lock and, once the engine asks, its listener."""
+    """An actor's side: its lock (``compute``'s, when the actor has a compute thread) and,
+    once the engine asks, its listener."""
 
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
+    def __init__(self, compute: ComputeThread | None = None) -> None:
+        self.compute = compute
+        self.lock = compute.lock if compute is not None else threading.RLock()
         self.server: ChannelServer | None = None
 
     def open(self, host: str, token: bytes, handlers: dict[str, Callable[..., Any]]) -> tuple[str, int]:
@@ -135,18 +186,22 @@ class ChannelEndpoint:
         if self.server is None or self.server.token != token:
             if self.server is not None:
                 self.server.close()
-            self.server = ChannelServer(host, token, handlers, self.lock)
+            self.server = ChannelServer(host, token, handlers, self.lock, self.compute)
         return self.server.address
 
 
 class ChannelClient:
-    """The engine's end of one actor's channel."""
+    """The engine's end of one actor's channel (or, ``role=RELAY``, another actor's: what it
+    sends is answered to the engine)."""
 
-    def __init__(self, address: tuple[str, int], token: bytes, connect_timeout_s: float = 30.0) -> None:
+    def __init__(self, address: tuple[str, int], token: bytes, connect_timeout_s: float = 30.0,
+                 role: bytes = CALL) -> None:
         try:
             self.sock = _tuned(socket.create_connection(tuple(address), timeout=connect_timeout_s))
+            self.sock.sendall(token + role)
+            if self.sock.recv(1) != ACCEPTED:
+                raise OSError("the actor refused the connection (a wrong token?)")
             self.sock.settimeout(None)
-            self.sock.sendall(token)
         except OSError as e:
             raise ChannelClosed(f"cannot reach the actor's step channel at {address}: {e}") from e
 

@@ -70,12 +70,14 @@ class TargetShardActor:
         threads = threads_per_shard(args.threads, world_size, usable_cpus())
         torch.set_num_threads(threads)
         self.runner: ModelRunner | None = None
-        self.endpoint = ChannelEndpoint()  # the plain path's step channel (step_channel.py)
         self.compute = ComputeThread()  # every torch call of this shard, on one thread
+        self.endpoint = ChannelEndpoint(self.compute)  # the plain path's step channel (step_channel.py)
 
     def channel_address(self, token: bytes) -> tuple[str, int]:
-        """Open (once per engine client) the socket the plain step path sends steps over."""
-        return self.endpoint.open(ray.util.get_node_ip_address(), token, {"execute": self.channel_execute})
+        """Open (once per engine client) the socket the plain step path sends steps over (and
+        the relayed step graph ``graph_execute``)."""
+        return self.endpoint.open(ray.util.get_node_ip_address(), token,
+                                  {"execute": self.channel_execute, "graph_execute": self.graph_execute})
 
     def master_address(self) -> tuple[str, int]:
         """Rank 0 picks the process group's TCP store address (a free port on its node)."""
@@ -110,8 +112,7 @@ class TargetShardActor:
         draft_probs: torch.Tensor | None = None,  # [num_drafted, max_draft, vocab], rank 0 only
     ) -> StepOutput:
         assert self.runner is not None, "setup() first"
-        with self.endpoint.lock:  # the channel's thread or Ray's, one at a time
-            return self.compute.run(self.runner.execute, step, draft_probs)
+        return self.compute.run(self.runner.execute, step, draft_probs)  # one at a time, whoever asks
 
     def channel_execute(
         self,

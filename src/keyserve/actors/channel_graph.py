@@ -1,0 +1,65 @@
+"""One engine step relayed actor to actor over the step channels: the compiled graph's shape
+(``step_graph.py``) on sockets, where nobody busy-waits.
+
+    driver --request, draft batch--> KV-block manager (commands, schedule)
+      --step, draft batch--> draft actor (drafts into the step)
+      --step, draft probs--> target shards (forward, rank 0 samples and verifies) --output--> driver
+
+Each actor hands the step on before it answers the driver with what only it knows: the
+KV-block manager its answer (block counts, core stats) and the step, the draft actor its draft
+tokens and the step as the shards run it. So the step's critical path is three socket hops
+(driver -> KV-block manager -> shards -> driver) where the driver-mediated channel path takes
+four, and the driver reads the KV-block manager's answer while the shards compute. The
+messages and handlers are the compiled graph's (``graph_step``, ``graph_propose``,
+``graph_execute``), so both graphs run the same step and return the same ``GraphResult``.
+
+The replies of relayed messages travel on the engine's *destination* connection to each actor
+(``step_channel.DESTINATION``); the relay connections (``step_channel.RELAY``) carry requests
+only. A lost actor closes its sockets: the driver's read sees it at once and the engine
+diagnoses and replaces the actor as for the compiled graph; the graph is then built again over
+the new actors (a few Ray calls).
+"""
+
+from __future__ import annotations
+
+import secrets
+import ray
+
+from keyserve.actors.common import alive
+from keyserve.actors.relay import DRAFT, SHARDS
+from keyserve.actors.step_channel import DESTINATION, TOKEN_BYTES, ChannelClient, encode, gather
+from keyserve.actors.step_graph import GraphResult, graph_key
+
+class ChannelGraph:
+    """The relayed step over one set of actors (``key`` names them, as ``StepGraph``'s)."""
+
+    def __init__(self, core: object, workers: list, draft: object | None, poll_s: float = 10.0) -> None:
+        self.key = graph_key(core, workers, draft)
+        self.has_draft = draft is not None
+        self.poll_s = poll_s
+        self.actors = [core, *([draft] if draft is not None else []), *workers]
+        token = secrets.token_bytes(TOKEN_BYTES)
+        addresses = ray.get([a.channel_address.remote(token) for a in self.actors])  # type: ignore[attr-defined]
+        self.clients = [ChannelClient(address, token, role=DESTINATION) for address in addresses]
+        shards = addresses[-len(workers):]
+        if draft is not None:
+            ray.get([core.relay_to.remote(token, DRAFT, [addresses[1]]),  # type: ignore[attr-defined]
+                     draft.relay_to.remote(token, SHARDS, shards)])  # type: ignore[attr-defined]
+        else:
+            ray.get(core.relay_to.remote(token, SHARDS, shards))  # type: ignore[attr-defined]
+
+    def run(self, request: object, batch: object | None) -> GraphResult:
+        """One step: the request to the KV-block manager, then every actor's reply (the first
+        failure raises: a closed channel, or an actor's own error)."""
+        self.clients[0].send(encode(("relay_step", (request, batch))))
+        replies = gather(self.clients, lambda: alive(self.actors), self.poll_s)
+        step, answer = replies[0]
+        drafts = None
+        if self.has_draft:
+            step, drafts = replies[1]
+        return GraphResult(step, answer, drafts, replies[1 + self.has_draft])
+
+    def teardown(self) -> None:
+        for client in self.clients:
+            client.close()
+        self.clients = []
