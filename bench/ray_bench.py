@@ -85,7 +85,7 @@ def ray_calls(engine) -> list[Timer]:
         return []
     if engine.compiled_graph or engine.relayed:
         assert engine._graph is not None, "built by the steps before"
-        return [Timer(engine._graph, "run")]
+        return [Timer(engine._graph, "submit"), Timer(engine._graph, "read")]
     return [Timer(engine.core, "schedule"), Timer(engine.runner, "execute")]
 
 

@@ -136,18 +136,18 @@ def test_kv_manager_lost_after_the_shards_sampled(engine: RayEngine, reference: 
     core = engine.core_client
     losses = core.num_losses
     graph_class = StepGraph if engine.compiled_graph else ChannelGraph
-    real_run = graph_class.run
+    real_read = graph_class.read
     calls = []
 
-    def run(graph, request, batch):
-        result = real_run(graph, request, batch)
+    def read(graph):
+        result = real_read(graph)
         calls.append(result)
         if len(calls) == 5:  # a decoding step: every seeded request sampled in it
             ray.kill(core.actor, no_restart=False)
             raise RayActorError() if engine.compiled_graph else ChannelClosed("the actor closed its step channel")
         return result
 
-    monkeypatch.setattr(graph_class, "run", run)
+    monkeypatch.setattr(graph_class, "read", read)
     got = _run(engine, prompts, params, lambda: None)
     monkeypatch.undo()
     assert core.num_losses == losses + 1

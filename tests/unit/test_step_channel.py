@@ -220,3 +220,25 @@ def test_a_relayed_message_is_answered_to_the_engine() -> None:
         Relay().to_shards("step")
     with pytest.raises(ChannelClosed, match="refused"):
         ChannelClient(shard_ends[0][1], TOKEN, role=b"?")  # no such role
+
+
+def test_a_step_item_crosses_a_channel_whole() -> None:
+    """``StepItem`` pickles as its constructor's arguments (``step_input.py``): every field,
+    none at its default here, comes back (a field left out of the reduction would not)."""
+    import copy
+    import pickle
+
+    from keyserve.core.kv_policy import KVBudget, KVPolicy
+    from keyserve.engine.step_input import StepInput, StepItem
+
+    defaults = StepItem(0, [], 0, [])
+    item = StepItem(3, [1, 2], 5, [0, 1], num_lookahead=2, draft_token_ids=[7], draft_row=1,
+                    sample_seq_ids=[3, 4], forced_token_id=9, return_logits=1, budget=KVBudget(KVPolicy.H2O, 8),
+                    spare=True, num_output_tokens=4, decode_rows=True)
+    assert all(getattr(item, f) != getattr(defaults, f) for f in vars(defaults))
+    step = StepInput([item], 1, step=7)
+    back = pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back == step and back.items[0] == item
+    assert copy.deepcopy(item) == item and copy.deepcopy(item).token_ids is not item.token_ids
+    _, address = _endpoint(echo=lambda x: x)
+    assert _call(ChannelClient(address, TOKEN), "echo", step) == step

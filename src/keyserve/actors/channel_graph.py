@@ -49,9 +49,16 @@ class ChannelGraph:
             ray.get(core.relay_to.remote(token, SHARDS, shards))  # type: ignore[attr-defined]
 
     def run(self, request: object, batch: object | None) -> GraphResult:
-        """One step: the request to the KV-block manager, then every actor's reply (the first
-        failure raises: a closed channel, or an actor's own error)."""
+        self.submit(request, batch)
+        return self.read()
+
+    def submit(self, request: object, batch: object | None) -> None:
+        """Send one step's request to the KV-block manager (the engine may read it later)."""
         self.clients[0].send(encode(("relay_step", (request, batch))))
+
+    def read(self) -> GraphResult:
+        """Every actor's reply to the submitted step (the first failure raises: a closed
+        channel, or an actor's own error)."""
         replies = gather(self.clients, lambda: alive(self.actors), self.poll_s)
         step, answer = replies[0]
         drafts = None

@@ -19,8 +19,9 @@ So the thread waits in one ``select`` on its work queue's wake-up socket and on 
 channel connection, and runs a step that arrives on a connection where it arrives.
 
 Everything it runs runs under ``lock`` (the actor's lock, which its Ray-called methods that do
-no torch work take directly), taken on this thread: a caller never holds the lock while it
-waits for this thread, so the two cannot deadlock.
+no torch work take directly), taken on this thread (a channel's handler, by the channel's
+server): a caller never holds the lock while it waits for this thread, so the two cannot
+deadlock.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class ComputeThread:
         return done.result()
 
     def adopt(self, conn: socket.socket, serve_one: Callable[[socket.socket], bool]) -> None:
-        """Serve ``conn`` on this thread: ``serve_one(conn)`` whenever it is readable, under the
-        lock; when it returns False the connection is dropped (and closed)."""
+        """Serve ``conn`` on this thread: ``serve_one(conn)`` whenever it is readable (it takes
+        the lock around its handler); when it returns False the connection is dropped (and
+        closed)."""
         self.run(self._selector.register, conn, selectors.EVENT_READ, serve_one)
 
     def _loop(self) -> None:
@@ -71,9 +73,7 @@ class ComputeThread:
                     self._run_queued()
                     continue
                 conn: socket.socket = key.fileobj  # type: ignore[assignment]
-                with self.lock:
-                    keep = key.data(conn)
-                if not keep:
+                if not key.data(conn):  # the handler takes the lock itself (ChannelServer._reply)
                     self._selector.unregister(conn)
                     conn.close()
 

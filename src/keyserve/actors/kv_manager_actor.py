@@ -61,12 +61,13 @@ class KVManagerActor:
     ) -> tuple[StepInput | None, tuple[CoreReply, CoreStats] | None]:
         """The relayed step's first hop: ``graph_step``, the step handed on (with the engine's
         draft batch, to the draft actor, or to the shards) before the engine gets the answer."""
-        step, answer = self.graph_step(request)
-        if self.relay.kind == DRAFT:
-            self.relay.to_draft(step, batch)
-        else:
-            self.relay.to_shards(step)
-        return step, answer
+        with self.endpoint.lock:
+            step, reply = self._graph_schedule(request)
+            if self.relay.kind == DRAFT:
+                self.relay.to_draft(step, batch)
+            else:
+                self.relay.to_shards(step)
+            return step, None if reply is None else (reply, self.core.stats())
 
     def step(
         self, batches: list[Batch], schedule: bool, lookahead: dict[int, int] | None,
@@ -78,12 +79,13 @@ class KVManagerActor:
         the engine's speculative policy wants per sequence (``KVCore.schedule``). None: this
         actor restarted and holds none of the engine's requests (``incarnation`` is not its own)."""
         with self.endpoint.lock:  # the channel's thread or Ray's, one at a time
-            return self._step(batches, schedule, lookahead, incarnation)
+            reply = self._step(batches, schedule, lookahead, incarnation)
+            return None if reply is None else (reply, self.core.stats())
 
     def _step(
         self, batches: list[Batch], schedule: bool, lookahead: dict[int, int] | None,
         incarnation: str | None,
-    ) -> tuple[CoreReply, CoreStats] | None:
+    ) -> CoreReply | None:
         if incarnation not in (None, self.incarnation):
             return None
         stats: dict[int, SeqStat] = {}
@@ -104,7 +106,7 @@ class KVManagerActor:
                 step = StepInput([], 0, step=-1)
         if step is not None:
             step.ops, self.ops = self.ops + step.ops, []
-        return CoreReply(step, seq_stats=stats), self.core.stats()
+        return CoreReply(step, seq_stats=stats)
 
     def graph_step(
         self, request: "CoreRequest",
@@ -112,12 +114,18 @@ class KVManagerActor:
         """The compiled step's first node: ``step`` with the engine's queued commands, the
         step split off for the model side (the draft actor or the shards read it) from the rest
         for the engine. (None, None): this actor restarted (see ``step``)."""
-        answer = self.step(request.batches, True, request.lookahead, request.incarnation)
-        if answer is None:
+        with self.endpoint.lock:
+            step, reply = self._graph_schedule(request)
+            return step, None if reply is None else (reply, self.core.stats())
+
+    def _graph_schedule(self, request: "CoreRequest") -> tuple[StepInput | None, CoreReply | None]:
+        """``graph_step`` without the core's counts (the relay takes them after handing the
+        step on)."""
+        reply = self._step(request.batches, True, request.lookahead, request.incarnation)
+        if reply is None:
             return None, None
-        reply, stats = answer
         step, reply.step = reply.step, None
-        return step, (reply, stats)
+        return step, reply
 
     def _run(self, command: Command) -> CoreReply:
         kind = command[0]

@@ -15,13 +15,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from keyserve.actors.channel_graph import ChannelGraph
 from keyserve.actors.common import CoreLost, DraftLost, ShardLost, alive, ensure_ray
-from keyserve.actors.draft_actor import DraftActorArgs, RemoteDrafter
+from keyserve.actors.draft_actor import DraftActorArgs, DraftBatch, RemoteDrafter
 from keyserve.actors.kv_manager_actor import RemoteCore
 from keyserve.actors.step_graph import StepGraph, actor_key, graph_key, lost_actor, use_compiled_graph
 from keyserve.actors.target_group import TargetGroup, worker_gpus
@@ -39,6 +40,16 @@ from keyserve.engine.stats import CoreStats
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Flight:
+    """A submitted step: what the driver needs to read and accept it."""
+
+    batch: DraftBatch | None  # the draft actor's input, if drafting
+    targets: list  # the sequences drafted for
+    graph: StepGraph | ChannelGraph | None = None
+    error: BaseException | None = None  # the submission failed: raised where the step is read
+
+
 class RayEngine(LLMEngine):
     """``LLMEngine`` whose KV-block manager, draft and target shards are Ray actors."""
 
@@ -52,6 +63,9 @@ class RayEngine(LLMEngine):
         self.drafter_client: RemoteDrafter | None = None
         self.core_client: RemoteCore | None = None
         self._graph: StepGraph | ChannelGraph | None = None
+        self._inflight: _Flight | None = None  # a relayed step submitted, not read yet
+        self._drained: list[RequestOutput] | None = None  # outputs of a step read early
+        self._draining = False
         self.num_graph_compiles = 0
         self.num_graph_releases = 0
         # The step and the idle release both touch the graph: one at a time.
@@ -117,29 +131,32 @@ class RayEngine(LLMEngine):
     def step(self) -> list[RequestOutput]:
         try:
             outputs = super().step()
-        except ShardLost as e:
-            self._recovered(e)
-            assert self.group is not None and self.core_client is not None
-            self.core_client.reset_model_side()  # recompute everything on the new shards
-            try:
-                self.group.restart()
-            except Exception:  # noqa: BLE001 — e.g. no room yet: the next step finds it dead again
-                log.exception("replacing the target group failed; retrying at the next step")
-            return []
-        except CoreLost as e:
-            self._recovered(e)
-            assert self.core_client is not None
-            self.core_client.recover(self._unfinished())
-            return []
-        except DraftLost as e:  # the step it was part of never ran: recompute, without drafts
-            self._recovered(e)
-            assert self.core_client is not None
-            self.core_client.reset_model_side()
-            return []
+        except self.engine_faults as e:
+            return self._recover(e)
         self._failures = 0
         if not self.requests:
             self.flush()
         return outputs
+
+    def _recover(self, error: BaseException) -> list[RequestOutput]:
+        """A lost actor: replace it and recompute what it held from the engine's tokens."""
+        self._inflight = None  # a fault is raised where a step is read: nothing is in flight
+        if self.relayed:
+            with self._graph_lock:
+                self._drop_graph()  # a replaced actor needs a new graph
+        self._recovered(error)
+        assert self.group is not None and self.core_client is not None
+        if isinstance(error, CoreLost):
+            self.core_client.recover(self._unfinished())
+            return []
+        self.core_client.reset_model_side()  # recompute everything on the new shards
+        if isinstance(error, ShardLost):
+            try:
+                self.group.restart()
+            except Exception:  # noqa: BLE001 — e.g. no room yet: the next step finds it dead again
+                log.exception("replacing the target group failed; retrying at the next step")
+        # DraftLost: the step it was part of never ran; it is recomputed, without drafts
+        return []
 
     def _step(self) -> list[RequestOutput]:
         if not (self.compiled_graph or self.relayed):
@@ -166,7 +183,16 @@ class RayEngine(LLMEngine):
     def _graph_step(self) -> list[RequestOutput]:
         """``LLMEngine._step`` as one execution of the step graph (compiled, or relayed over the
         step channels): schedule, propose and verify run actor to actor; the driver submits,
-        reads, and runs its stop checks."""
+        reads, and runs its stop checks. A relayed step may have been submitted already, as
+        soon as the previous one was committed (``_after_commit``)."""
+        if self._drained is not None:  # a step read early (``_drain``): its outputs now
+            outputs, self._drained = self._drained, None
+            return outputs
+        flight, self._inflight = self._inflight or self._submit(), None
+        return self._complete(flight)
+
+    def _submit(self) -> _Flight:
+        """Send the next step's request; an error is kept for ``_complete`` to raise."""
         assert self.group is not None and self.core_client is not None
         drafter = self.drafter_client
         speculate = drafter is not None and drafter.available
@@ -174,14 +200,29 @@ class RayEngine(LLMEngine):
         targets = [self._seqs[seq_id] for seq_id in lookahead] if lookahead else []
         batch = drafter.graph_batch(targets) if speculate else None
         request = self.core_client.request(lookahead)
+        flight = _Flight(batch, targets)
         try:
-            result = self._graph_for(speculate).run(request, batch)
+            flight.graph = self._graph_for(speculate)
+            flight.graph.submit(request, batch)
+        except Exception as e:  # noqa: BLE001 — raised where the step is read
+            flight.error = e
+        return flight
+
+    def _complete(self, flight: _Flight) -> list[RequestOutput]:
+        """Read a submitted step, then accept it (stop checks, commit, outputs)."""
+        assert self.core_client is not None
+        drafter = self.drafter_client
+        try:
+            if flight.error is not None:
+                raise flight.error
+            assert flight.graph is not None
+            result = flight.graph.read()
         except Exception as e:  # noqa: BLE001 — which actor, if any, is lost decides
-            if batch is not None:
-                drafter.graph_failed(batch)
+            if flight.batch is not None:
+                drafter.graph_failed(flight.batch)
             raise self._diagnose(e) from e
         if result.drafts is not None:
-            drafter.graph_done(result.drafts, targets)
+            drafter.graph_done(result.drafts, flight.targets)
         reply = self.core_client.answer(result.answer)
         self._apply_seq_stats(reply.seq_stats)
         step = self._running_step = result.step
@@ -190,6 +231,38 @@ class RayEngine(LLMEngine):
             return []
         self.num_steps += 1
         return self._accept(step, result.output)
+
+    def _after_commit(self) -> None:
+        """Relayed: submit the next step as soon as this one is committed, so the KV-block
+        manager and the shards start it while the driver builds this step's outputs and the
+        caller handles them (the driver's work leaves the step's critical path). Requests added
+        meanwhile join the step after it; an abort reads the step in flight first (``_drain``)."""
+        if self.relayed and not self._draining and any(not r.finished for r in self.requests.values()):
+            self._inflight = self._submit()
+
+    def _drain(self) -> None:
+        """Read and accept the step in flight now (its outputs go out with the next ``step``),
+        so that what comes next (an abort, a flush, a check) meets a committed core. An error
+        is kept for the next ``step`` to raise and recover from."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return
+        self._draining = True
+        try:
+            outputs = self._complete(flight)
+        except Exception as e:  # noqa: BLE001 — raised by the next step
+            outputs = []
+            self._inflight = _Flight(None, [], error=e)  # already diagnosed
+        finally:
+            self._draining = False
+        self._drained = (self._drained or []) + outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return super().has_unfinished_requests() or bool(self._drained) or self._inflight is not None
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        self._drain()
+        return super().abort(request_id)
 
     def _graph_for(self, speculate: bool) -> StepGraph | ChannelGraph:
         """The graph over the current actors (built again only when one was replaced, or the
@@ -255,6 +328,7 @@ class RayEngine(LLMEngine):
 
     def flush(self) -> None:
         """Deliver what is queued for the actors (frees finished requests' blocks)."""
+        self._drain()
         if self.core_client is not None:
             try:
                 self.core_client.flush()
@@ -267,6 +341,7 @@ class RayEngine(LLMEngine):
         """Block accounting of the KV-block manager (raises if a reference leaked); its
         counts after the check."""
         assert self.core_client is not None
+        self._drain()
         return self.core_client.check_consistent()
 
     def shutdown(self) -> None:
@@ -274,6 +349,7 @@ class RayEngine(LLMEngine):
         if self._idle_reaper is not None and self._idle_reaper is not threading.current_thread():
             self._idle_reaper.join()
         with self._graph_lock:
+            self._inflight = None
             self._drop_graph()
         for part in (self.group, self.drafter_client, self.core_client):
             if part is not None:

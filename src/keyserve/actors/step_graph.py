@@ -65,10 +65,19 @@ class StepGraph:
             shards = [w.graph_execute.bind(step, probs if i == 0 else None) for i, w in enumerate(workers)]
             dag = MultiOutputNode([step, *outputs, *shards])
         self.dag = dag.experimental_compile()
+        self._ref = None
 
     def run(self, request: CoreRequest, batch: DraftBatch | None) -> GraphResult:
-        """One step: submit, then read every output (an actor error or a timeout raises)."""
-        ref = self.dag.execute(request, batch) if self.has_draft else self.dag.execute(request)
+        self.submit(request, batch)
+        return self.read()
+
+    def submit(self, request: CoreRequest, batch: DraftBatch | None) -> None:
+        """Start one step (the engine reads it with ``read``)."""
+        self._ref = self.dag.execute(request, batch) if self.has_draft else self.dag.execute(request)
+
+    def read(self) -> GraphResult:
+        """The submitted step's outputs (an actor error or a timeout raises)."""
+        ref, self._ref = self._ref, None
         values = ray.get(ref, timeout=self.timeout_s)
         if self.has_draft:
             step, answer, drafts, output = values[:4]

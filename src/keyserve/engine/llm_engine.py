@@ -391,6 +391,7 @@ class LLMEngine:
                 computed = item.start + item.num_new_tokens + out.num_accepted.get(item.seq_id, 0)
                 for seq_id in [item.seq_id] + item.sample_seq_ids[1:]:
                     self._seqs[seq_id].num_computed_tokens = computed
+        self._after_commit()
         outputs = []
         blocks = self._blocks
         for req in touched.values():
@@ -407,6 +408,10 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------- failure isolation
+    def _after_commit(self) -> None:
+        """Called once a step is committed, before its outputs are built (``RayEngine``
+        submits its next relayed step here)."""
+
     def _failed_on_model_side(self, failed: dict[int, str]) -> dict[str, RequestFailedError]:
         """Requests with a sequence the model side could not run (a sibling fails them all)."""
         errors: dict[str, RequestFailedError] = {}

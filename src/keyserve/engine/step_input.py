@@ -11,7 +11,8 @@ this message, so the distributed path adds no logic of its own. All fields are p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -52,6 +53,12 @@ class StepItem:
     # draft's catch-up of the last draft and the bonus token, stays on the decode path.
     decode_rows: bool = False
 
+    def __reduce__(self) -> tuple:
+        """Pickled as the constructor's arguments: half the bytes and half the unpickling time
+        of the default (an instance dict per item), and every step sends one per sequence to
+        the shards (16 items: 12 us against 24 us to unpickle, 935 against 1594 bytes)."""
+        return StepItem, _step_item_fields(self)
+
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
@@ -63,6 +70,9 @@ class StepItem:
     @property
     def verifies(self) -> bool:
         return bool(self.draft_token_ids)
+
+
+_step_item_fields = operator.attrgetter(*(f.name for f in fields(StepItem)))
 
 
 @dataclass
