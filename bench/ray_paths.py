@@ -55,8 +55,8 @@ def main() -> None:
             for path in PATHS:
                 engines[f"ray, {path}, {threads} thread(s)"] = RayEngine(
                     EngineConfig.from_flat(**opts, tp=1, worker_threads=threads, worker_num_cpus=0.1,
-                                           compiled_graph=path == "graph", step_channels=path == "channels",
-                                           graph_idle_release_s=IDLE_RELEASE_S))
+                                           compiled_graph=path == "graph", step_channels=path in ("relay", "channels"),
+                                           step_relay=path == "relay", graph_idle_release_s=IDLE_RELEASE_S))
         by_batch = {b: interleaved(engines, b, args.decode_tokens, args.repeats) for b in (1, 16)}
     finally:
         shut_down(engines)
@@ -76,8 +76,8 @@ def main() -> None:
         f"SmolLM2-135M-Instruct, float32, greedy, TP 1, {args.decode_tokens} decode tokens per request after a "
         f"32-token prompt; the in-process engine at {cores} torch threads; the engines take turns, best of "
         f"{args.repeats}. *Loss*: throughput below the in-process engine's; *runner*: the time the shard's model "
-        f"runner reports for its own work per step. *channels*: plain calls over the actors' step channels (sockets, blocking reads; `step_channels`, the default); *ray calls*: plain Ray actor calls. With the defaults (`compiled_graph` auto, the shard's "
-        f"threads = the node's cores) this machine picks **{'the compiled graph' if auto else 'plain calls over the step channels'}**. "
+        f"runner reports for its own work per step. *relay*: the step graph relayed actor to actor over the actors' step channels (sockets, blocking reads; the default without the compiled graph); *channels*: the driver calls each actor over its step channel (`step_relay=False`); *ray calls*: plain Ray actor calls. With the defaults (`compiled_graph` auto, the shard's "
+        f"threads = the node's cores) this machine picks **{'the compiled graph' if auto else 'the relay over the step channels'}**. "
         f"Load average before {load_before}, after {load_after} on {cores} cores.\n\n{table}"
     )
     print(body)

@@ -185,6 +185,41 @@ def test_a_shard_lost_between_steps_loses_no_command(stories_path: str, draft_di
         assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]
 
 
+def test_an_abort_reads_the_relayed_step_in_flight_first(stories_path: str) -> None:
+    """The relay submits step n + 1 as soon as step n is committed, so between two ``step``
+    calls a step is in flight. An abort then first reads and accepts that step (``_drain``): a
+    request it finished still gets its final output from the next ``step`` (here the last one
+    left), with the tokens it would have had; the aborted requests end at once; every block
+    comes back. Without the drain the abort would change the
+    KV-block manager under a step it scheduled; without the held outputs the finished request's
+    last output would be lost."""
+    prompts = ["once upon a time", "the little girl", "lily loved to play"]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (30, 6, 12)]
+    want = LLM(stories_path, **OPTIONS).generate(prompts, params)
+    with RayLLM(stories_path, worker_threads=1, worker_num_cpus=0.1, compiled_graph=False, **OPTIONS) as llm:
+        engine = llm.engine
+        assert engine.relayed
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final: dict[str, object] = {}
+        for _ in range(5):  # the prompt step, then four decode steps: step 6 (the short one's last) is in flight
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        assert engine._inflight is not None and not final
+        aborted = engine.abort(ids[0])
+        assert aborted is not None and aborted.finished and engine._inflight is None
+        assert len(aborted.outputs[0].token_ids) < 30
+        assert engine.abort(ids[1]) is None  # the drained step finished it: nothing to abort
+        assert engine.abort(ids[2]).finished
+        assert not engine.requests and engine.has_unfinished_requests()  # one output still to give
+        last = engine.step()
+        assert [o.request_id for o in last] == [ids[1]] and last[0].finished
+        assert [o.token_ids for o in last[0].outputs] == [o.token_ids for o in want[1].outputs]
+        assert not engine.has_unfinished_requests()
+        view = engine.check_consistent()
+        assert view.num_free_blocks == view.num_blocks and view.num_running_seqs == view.num_waiting_seqs == 0
+
+
 def _cpu_seconds(pids: list[int]) -> float:
     """User + system CPU time of these processes so far (from /proc)."""
     import os

@@ -262,6 +262,8 @@ class RayEngine(LLMEngine):
 
     def abort(self, request_id: str) -> RequestOutput | None:
         self._drain()
+        if self._drained and request_id in self.requests:  # its progress, superseded by its end
+            self._drained = [out for out in self._drained if out.request_id != request_id]
         return super().abort(request_id)
 
     def _graph_for(self, speculate: bool) -> StepGraph | ChannelGraph:
