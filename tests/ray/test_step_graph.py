@@ -280,9 +280,10 @@ def test_auto_uses_the_graph_only_with_a_core_per_reader(setting, on_gpu, cpus, 
     assert use_compiled_graph(setting, on_gpu, cpus, tp, threads, draft) is want
 
 
-def test_auto_picks_plain_calls_on_this_two_core_machine(stories_path: str) -> None:
+def test_auto_picks_the_relay_on_this_two_core_machine(stories_path: str) -> None:
     with RayLLM(stories_path, worker_threads=2, worker_num_cpus=0.1, **OPTIONS) as llm:
         assert llm.engine.config.parallel.compiled_graph is None
         assert llm.engine.compiled_graph is (usable_cpus() - 2 >= 2)
+        assert llm.engine.relayed is not llm.engine.compiled_graph  # the relay wherever the graph is not
         llm.generate(["once upon a time"], SamplingParams(max_tokens=4, temperature=0.0))
         assert llm.engine.num_graph_compiles == (1 if llm.engine.compiled_graph else 0)
