@@ -29,6 +29,7 @@ from keyserve.actors.target_group import TargetGroup, worker_gpus
 from keyserve.actors.target_shard_actor import ShardArgs, check_tp_fits
 from keyserve.config import EngineConfig
 from keyserve.core.cpu_count import usable_cpus
+from keyserve.core.sequence import Sequence
 from keyserve.engine import build
 from keyserve.engine.async_engine import AsyncLLMEngine
 from keyserve.engine.drafter import draft_budget
@@ -45,7 +46,7 @@ class _Flight:
     """A submitted step: what the driver needs to read and accept it."""
 
     batch: DraftBatch | None  # the draft actor's input, if drafting
-    targets: list  # the sequences drafted for
+    targets: list[Sequence]  # the sequences drafted for
     graph: StepGraph | ChannelGraph | None = None
     error: BaseException | None = None  # the submission failed: raised where the step is read
 
