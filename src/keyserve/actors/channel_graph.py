@@ -40,13 +40,19 @@ class ChannelGraph:
         self.actors = [core, *([draft] if draft is not None else []), *workers]
         token = secrets.token_bytes(TOKEN_BYTES)
         addresses = ray.get([a.channel_address.remote(token) for a in self.actors])  # type: ignore[attr-defined]
-        self.clients = [ChannelClient(address, token, role=DESTINATION) for address in addresses]
-        shards = addresses[-len(workers):]
-        if draft is not None:
-            ray.get([core.relay_to.remote(token, DRAFT, [addresses[1]]),  # type: ignore[attr-defined]
-                     draft.relay_to.remote(token, SHARDS, shards)])  # type: ignore[attr-defined]
-        else:
-            ray.get(core.relay_to.remote(token, SHARDS, shards))  # type: ignore[attr-defined]
+        self.clients: list[ChannelClient] = []
+        try:
+            for address in addresses:
+                self.clients.append(ChannelClient(address, token, role=DESTINATION))
+            shards = addresses[-len(workers):]
+            if draft is not None:
+                ray.get([core.relay_to.remote(token, DRAFT, [addresses[1]]),  # type: ignore[attr-defined]
+                         draft.relay_to.remote(token, SHARDS, shards)])  # type: ignore[attr-defined]
+            else:
+                ray.get(core.relay_to.remote(token, SHARDS, shards))  # type: ignore[attr-defined]
+        except BaseException:
+            self.teardown()  # an actor lost while connecting: the step that asked diagnoses it
+            raise
 
     def run(self, request: object, batch: object | None) -> GraphResult:
         self.submit(request, batch)
