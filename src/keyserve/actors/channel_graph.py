@@ -22,13 +22,13 @@ the new actors (a few Ray calls).
 
 from __future__ import annotations
 
-import secrets
 import ray
 
-from keyserve.actors.common import alive
+from keyserve.actors.common import alive, channel_addresses
 from keyserve.actors.relay import DRAFT, SHARDS
-from keyserve.actors.step_channel import DESTINATION, TOKEN_BYTES, ChannelClient, encode, gather
+from keyserve.actors.step_channel import DESTINATION, ChannelClient, encode, gather
 from keyserve.actors.step_graph import GraphResult, graph_key
+
 
 class ChannelGraph:
     """The relayed step over one set of actors (``key`` names them, as ``StepGraph``'s)."""
@@ -38,8 +38,7 @@ class ChannelGraph:
         self.has_draft = draft is not None
         self.poll_s = poll_s
         self.actors = [core, *([draft] if draft is not None else []), *workers]
-        token = secrets.token_bytes(TOKEN_BYTES)
-        addresses = ray.get([a.channel_address.remote(token) for a in self.actors])  # type: ignore[attr-defined]
+        token, addresses = channel_addresses(self.actors)
         self.clients: list[ChannelClient] = []
         try:
             for address in addresses:

@@ -73,8 +73,14 @@ def kill_actor(actor: object) -> None:
         pass
 
 
-def open_channels(handles: list) -> list[ChannelClient]:
-    """Each actor's step channel (``step_channel.py``), opened through one Ray call per actor
-    (``channel_address``) under a fresh token."""
+def channel_addresses(handles: list) -> tuple[bytes, list[tuple[str, int]]]:
+    """A fresh token and each actor's step-channel listener under it (``channel_address``,
+    one Ray call per actor)."""
     token = secrets.token_bytes(TOKEN_BYTES)
-    return [ChannelClient(address, token) for address in ray.get([h.channel_address.remote(token) for h in handles])]
+    return token, ray.get([h.channel_address.remote(token) for h in handles])
+
+
+def open_channels(handles: list) -> list[ChannelClient]:
+    """Each actor's step channel (``step_channel.py``), opened under a fresh token."""
+    token, addresses = channel_addresses(handles)
+    return [ChannelClient(address, token) for address in addresses]

@@ -67,7 +67,7 @@ class KVManagerActor:
                 self.relay.to_draft(step, batch)
             else:
                 self.relay.to_shards(step)
-            return step, None if reply is None else (reply, self.core.stats())
+            return step, self._with_counts(reply)
 
     def step(
         self, batches: list[Batch], schedule: bool, lookahead: dict[int, int] | None,
@@ -80,7 +80,7 @@ class KVManagerActor:
         actor restarted and holds none of the engine's requests (``incarnation`` is not its own)."""
         with self.endpoint.lock:  # the channel's thread or Ray's, one at a time
             reply = self._step(batches, schedule, lookahead, incarnation)
-            return None if reply is None else (reply, self.core.stats())
+            return self._with_counts(reply)
 
     def _step(
         self, batches: list[Batch], schedule: bool, lookahead: dict[int, int] | None,
@@ -116,7 +116,11 @@ class KVManagerActor:
         for the engine. (None, None): this actor restarted (see ``step``)."""
         with self.endpoint.lock:
             step, reply = self._graph_schedule(request)
-            return step, None if reply is None else (reply, self.core.stats())
+            return step, self._with_counts(reply)
+
+    def _with_counts(self, reply: CoreReply | None) -> tuple[CoreReply, CoreStats] | None:
+        """A reply as the engine reads it, with the core's counts (None: this actor restarted)."""
+        return None if reply is None else (reply, self.core.stats())
 
     def _graph_schedule(self, request: "CoreRequest") -> tuple[StepInput | None, CoreReply | None]:
         """``graph_step`` without the core's counts (the relay takes them after handing the

@@ -10,6 +10,15 @@ from keyserve.actors.step_channel import RELAY, ChannelClient, encode
 SHARDS, DRAFT = "shards", "draft"
 
 
+def send_to_shards(clients: Sequence[ChannelClient], method: str, step: object, probs: object = None) -> None:
+    """``method(step, probs)`` to rank 0 and ``method(step, None)`` to the other ranks, each
+    message encoded once (``probs``: [num_verify, max_draft, vocab], rank 0 only)."""
+    others = encode((method, (step, None)))
+    first = others if probs is None else encode((method, (step, probs)))
+    for i, client in enumerate(clients):
+        client.send(first if i == 0 else others)
+
+
 class Relay:
     """An actor's onward connections for relayed steps: to the draft actor, or to the shards."""
 
@@ -34,10 +43,7 @@ class Relay:
     def to_shards(self, step: object, probs: object = None) -> None:
         """``probs`` ([num_verify, max_draft, vocab]) to rank 0 only, the step to every rank."""
         self._require(SHARDS)
-        others = encode(("graph_execute", (step, None)))
-        first = others if probs is None else encode(("graph_execute", (step, probs)))
-        for i, client in enumerate(self.clients):
-            client.send(first if i == 0 else others)
+        send_to_shards(self.clients, "graph_execute", step, probs)
 
     def _require(self, kind: str) -> None:
         if self.kind != kind:

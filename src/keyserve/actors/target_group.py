@@ -15,7 +15,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from keyserve.actors.common import ACTOR_LOST, ShardLost, actor_runtime_env, alive, kill_actor, open_channels
-from keyserve.actors.step_channel import ChannelClient, ChannelClosed, encode, gather
+from keyserve.actors.relay import send_to_shards
+from keyserve.actors.step_channel import ChannelClient, ChannelClosed, gather
 from keyserve.actors.target_shard_actor import TargetShardActor, ShardArgs, check_tp_fits
 from keyserve.config import ParallelConfig
 from keyserve.engine.step_input import RunnerOp, StepInput, StepOutput
@@ -120,11 +121,8 @@ class TargetGroup:
     ) -> StepOutput:
         """The step to every shard over its channel (encoded once), each reply read as it
         comes; the first failure decides, as in ``execute``."""
-        others = encode(("execute", (step, None)))
-        first = others if draft_probs is None else encode(("execute", (step, draft_probs)))
         try:
-            for i, channel in enumerate(self.channels):
-                channel.send(first if i == 0 else others)
+            send_to_shards(self.channels, "execute", step, draft_probs)
             return gather(self.channels, lambda: alive(self.workers))[0]
         except Exception as e:
             lost = self._lost(e)
