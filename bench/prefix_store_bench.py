@@ -59,13 +59,15 @@ QUESTIONS = [
     "Give one example from the text above and explain it.",
     "Who would find the text above useful, and why?",
 ]
-CONFIGS = ["recompute", "lru_all", "lru_h2o", "impress", "impress_nocheck", "h2o_recompute"]
-H2O_CONFIGS = {"lru_h2o", "impress", "impress_nocheck", "h2o_recompute"}
+CONFIGS = ["recompute", "lru_all", "lru_h2o", "impress", "impress_nocheck", "impress_all", "h2o_recompute"]
+H2O_CONFIGS = {"lru_h2o", "impress", "impress_nocheck", "impress_all", "h2o_recompute"}
 STORE = {
     "lru_all": dict(eviction="lru", repack=False, load_important_only=False),
     "lru_h2o": dict(eviction="lru", repack=False, importance_heads=0, check_agreement=False),
     "impress": dict(eviction="importance", repack=True, importance_heads=3, check_agreement=True),
     "impress_nocheck": dict(eviction="importance", repack=True, importance_heads=3, check_agreement=False),
+    "impress_all": dict(eviction="importance", repack=True, importance_heads=3, check_agreement=False,
+                        load_important_only=False, disk_unimportant_dtype="float16"),
 }
 
 

@@ -110,6 +110,10 @@ class PrefixStoreConfig(_Strict):
     load_important_only: bool = Field(
         True, description="Requests under a KV budget load only important chunks (False: all)."
     )
+    disk_unimportant_dtype: Literal["same", "float16", "bfloat16"] = Field(
+        "same", description="Disk tier: store chunks without an important token in this dtype "
+        "(half the bytes of a float32 cache; read back cast to the cache dtype). 'same': as cached.",
+    )
 
 
 class SchedulerSettings(_Strict):

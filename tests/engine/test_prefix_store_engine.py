@@ -275,6 +275,40 @@ def test_layers_load_different_counts_and_generate_what_attention_over_them_does
     llm.engine.close()
 
 
+@pytest.mark.parametrize("low", ["same", "float16"])
+def test_load_all_under_h2o_selects_what_h2o_over_the_whole_prompt_does(
+    stories_path: str, tmp_path: Path, low: str
+) -> None:
+    """``load_important_only=False``: a request under H2O loads every token of a stored prefix
+    with the scores stored with it, so the question is computed over the whole prefix and H2O's
+    prompt-phase selection is its own. Oracle: the same request recomputed over the whole prompt
+    without a store -- the same kept (layer, head) positions and the same tokens. With
+    ``disk_unimportant_dtype="float16"`` the chunks without an important token come back
+    rounded: the selection and tokens still match here, from half the bytes for those chunks.
+    Loading without the stored scores (zeros) fails it."""
+    llm = make(stories_path, tmp_path, top_k_fraction=0.5, check_agreement=False,
+               load_important_only=False, disk_unimportant_dtype=low)
+    ids = llm.engine.encode_prompt(STORY)
+    m = len(ids) - len(ids) % BLOCK
+    h2o = dict(kv_policy="h2o", kv_budget=0.5)
+    llm.generate([ids[:m]], greedy(1, **h2o))  # the prefix alone: its stored scores are its own
+    store = llm.engine.prefix_store.store
+    assert store.match_length(ids[:m] + [1], need_scores=True) == m
+    prompt = ids[:m] + llm.engine.encode_prompt(" Then she went home and had a nap.")[1:]
+    rid, seq = first_step(llm, prompt, greedy(12, **h2o))
+    assert seq.num_cached_tokens == m and store.stats.loaded_tokens == m  # every token
+    full_bytes = 5 * (m // BLOCK) * BLOCK * 4 * 8 * 2 * 4  # layers x tokens x kv-heads x head_dim x K/V x fp32
+    assert store.stats.disk_bytes_read == (full_bytes if low == "same" else full_bytes * 3 // 4)
+    kept = llm.engine.runner.budget.states[seq.seq_id].positions.cpu().clone()
+    assert kept.shape[-1] < len(prompt)  # H2O evicted
+    ref = make(stories_path)
+    rid_ref, seq_ref = first_step(ref, prompt, greedy(12, **h2o))
+    want = ref.engine.runner.budget.states[seq_ref.seq_id].positions.cpu()
+    assert torch.equal(kept.sort(-1).values, want.sort(-1).values)
+    assert finish(llm, rid) == finish(ref, rid_ref)
+    llm.engine.close()
+
+
 def test_short_shared_prefix_loads_whole_so_the_new_prompt_is_stored(stories_path: str, tmp_path: Path) -> None:
     """Two documents behind the same short preamble, under H2O: the second loads the preamble
     in every layer (it is shorter than what follows), so its own prompt is computed exactly and

@@ -32,13 +32,13 @@ def kv_of(tokens: list[int], a: int, b: int) -> torch.Tensor:  # [L, b - a, 2, H
 
 
 def make_store(tmp_path: Path, device_chunks: int = 0, host_chunks: int = 0, disk_bytes: int = 1 << 30,
-               **settings) -> PrefixStore:
+               low_dtype: torch.dtype | None = None, **settings) -> PrefixStore:
     device = None
     if device_chunks:
         caches = [(torch.zeros(64, BLOCK, H, D), torch.zeros(64, BLOCK, H, D)) for _ in range(L)]
         device = BlockPoolChunks(caches, list(range(10, 10 + device_chunks * CHUNK // BLOCK)), CHUNK)
     host = HostChunks(L, host_chunks, SHAPE, torch.float32) if host_chunks else None
-    disk = DiskTier(str(tmp_path), disk_bytes, SHAPE, torch.float32)
+    disk = DiskTier(str(tmp_path), disk_bytes, SHAPE, torch.float32, low_dtype=low_dtype)
     return PrefixStore(StoreSettings(CHUNK, **settings), KVLayout(L, H, D, torch.float32), disk, device, host)
 
 
@@ -184,6 +184,43 @@ def test_corrupt_chunk_is_a_counted_miss(tmp_path: Path, damage: str) -> None:
     assert child.node_id not in store.tree.nodes
     insert(store, a)  # stored again, fine afterwards
     check_exact(store, a, 16)
+
+
+@pytest.mark.parametrize("low_dtype", [torch.float16, torch.bfloat16])
+def test_unimportant_chunks_on_disk_in_low_precision(tmp_path: Path, low_dtype: torch.dtype) -> None:
+    """With ``low_dtype`` the chunks without an important token take its size on disk and come
+    back rounded to it; important chunks, and a node stored before its importance is known,
+    stay bit-exact. A load of every token under a budget brings the stored scores along."""
+    n = 16
+    tokens = list(range(200, 200 + n + 1))
+    scores = torch.zeros(L, H, n)
+    scores[:, :, [2, 7, 9, 13]] = 1.0  # one important chunk per layer after repacking
+    store = make_store(tmp_path, top_k_fraction=0.25, low_dtype=low_dtype)
+    insert(store, tokens)  # importance unknown: every chunk as cached
+    node = store.tree.match(tokens)[0].node
+    full, low = store.chunk_bytes, store.chunk_bytes // 2
+    assert store.disk.sizes[node.node_id] == L * (n // CHUNK) * full
+    check_exact(store, tokens, n)
+    insert(store, tokens, scores)  # repacked: 1 important + 3 unimportant chunks per layer
+    assert store.disk.sizes[node.node_id] == L * (full + 3 * low)
+    want = kv_of(tokens, 0, n)
+    before = store.stats.disk_bytes_read
+    got = store.load(tokens, n, need_scores=True)  # every token, with the stored scores
+    assert got is not None and got.exact and got.positions.equal(torch.arange(n).expand(L, -1))
+    assert store.stats.disk_bytes_read - before == L * (full + 3 * low)
+    hot = [2, 7, 9, 13]
+    cold = [p for p in range(n) if p not in hot]
+    assert torch.equal(got.kv[:, hot], want[:, hot])  # important: bit-exact
+    assert torch.equal(got.kv[:, cold], want[:, cold].to(low_dtype).float())  # rounded once
+    assert not torch.equal(got.kv[:, cold], want[:, cold])
+    assert got.scores is not None and got.scores[:, 0, hot].eq(1).all() and got.scores[:, 0, cold].eq(0).all()
+    imp = store.load(tokens, n, important_only=True, need_scores=True)
+    assert imp is not None and torch.equal(imp.kv[:, :4], want[:, hot])
+    path = store.disk.path(node.node_id)  # a flipped byte in a low-precision chunk is caught
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert store.load(tokens, n, need_scores=True) is None and store.stats.corrupt_chunks == 1
 
 
 def test_scores_arriving_later_repack_the_node(tmp_path: Path) -> None:

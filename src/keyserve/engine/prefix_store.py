@@ -69,8 +69,9 @@ class EnginePrefixStore:
         device = BlockPoolChunks(kv, self.reserved, chunk) if reserve else None
         host_slots = config.host_tokens // chunk
         host = HostChunks(num_layers, host_slots, shape, dtype) if host_slots else None
+        low = None if config.disk_unimportant_dtype == "same" else getattr(torch, config.disk_unimportant_dtype)
         disk = DiskTier(config.disk_path, int(config.disk_max_gb * (1 << 30)), shape, dtype,
-                        config.disk_cold_reads)
+                        config.disk_cold_reads, low_dtype=low)
         settings = StoreSettings(
             chunk, config.top_k_fraction, config.importance_heads, config.check_agreement,
             config.repack, config.eviction, defer_promotions=True,

@@ -2,7 +2,11 @@
 
 A node's file is its KV in storage order, ``[num_layers, num_chunks, 2, chunk_size,
 num_kv_heads, head_dim]`` in the cache dtype, so one layer's first c chunks (its most important
-tokens after repacking) are one contiguous byte range. Files appear only complete (written to
+tokens after repacking) are one contiguous byte range. With ``low_dtype`` (for example float16
+under a float32 cache) the chunks the store marks unimportant are written in that dtype instead,
+each in place (a node's chunk offsets are kept with its size), and read back cast to the cache
+dtype: the unimportant half of a prefix costs half the bytes to store and to read, and a
+request can still bring every token of it. Files appear only complete (written to
 a temporary name, then renamed). Checksums (CRC-32 per chunk) stay in memory with the index;
 a chunk whose bytes do not match, or a missing file, raises ``CorruptChunk`` and is never served.
 
@@ -50,6 +54,7 @@ class DiskTier:
         chunk_shape: tuple[int, int, int, int],  # (2, chunk_size, num_kv_heads, head_dim)
         dtype: torch.dtype,
         cold_reads: bool = False,
+        low_dtype: torch.dtype | None = None,
     ) -> None:
         if parent is not None:
             Path(parent).mkdir(parents=True, exist_ok=True)
@@ -60,8 +65,13 @@ class DiskTier:
         self.chunk_shape = chunk_shape
         self.dtype = dtype
         self.cold_reads = cold_reads and hasattr(os, "posix_fadvise")
-        self.chunk_bytes = int(torch.Size(chunk_shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        numel = int(torch.Size(chunk_shape).numel())
+        self.chunk_bytes = numel * dtype.itemsize
+        self.low_dtype = low_dtype if low_dtype != dtype else None
+        self.low_chunk_bytes = numel * (self.low_dtype or dtype).itemsize
         self.sizes: dict[int, int] = {}  # node_id -> file bytes
+        # node_id -> (byte offset of every chunk, layer-major, and the end; low-precision flags)
+        self.layouts: dict[int, tuple[list[int], list[bool]]] = {}
         self.bytes_written = 0
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.root), True)
 
@@ -72,17 +82,33 @@ class DiskTier:
     def path(self, node_id: int) -> Path:
         return self.root / f"{node_id}.kv"
 
+    def node_bytes(self, low: torch.Tensor) -> int:  # low: [num_layers, num_chunks] bool
+        """A node's file size, given which of its chunks are stored in ``low_dtype``."""
+        num_low = int(low.sum()) if self.low_dtype is not None else 0
+        return (low.numel() - num_low) * self.chunk_bytes + num_low * self.low_chunk_bytes
+
     def write_node(
         self,
         node_id: int,
         data: torch.Tensor,  # [num_layers, num_chunks, 2, chunk_size, num_kv_heads, head_dim]
+        low: torch.Tensor | None = None,  # [num_layers, num_chunks] bool: store in low_dtype
     ) -> torch.Tensor:  # [num_layers, num_chunks] int64 CRC-32 of every chunk
-        raw = data.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).numpy()
         num_layers, num_chunks = data.shape[:2]
+        flags = [False] * (num_layers * num_chunks)
+        if low is not None and self.low_dtype is not None:
+            flags = low.reshape(-1).tolist()
+        chunks = data.detach().to("cpu").reshape(num_layers * num_chunks, -1)
+        if any(flags):  # each chunk in its own dtype, in place
+            parts = [c.to(self.low_dtype if f else self.dtype).view(torch.uint8) for c, f in zip(chunks, flags)]
+            raw = torch.cat(parts).numpy()
+        else:
+            raw = chunks.to(self.dtype).contiguous().view(torch.uint8).numpy()
         flat = memoryview(raw).cast("B")
-        cb = self.chunk_bytes
+        offsets = [0]
+        for f in flags:
+            offsets.append(offsets[-1] + (self.low_chunk_bytes if f else self.chunk_bytes))
         crcs = torch.tensor(
-            [zlib.crc32(flat[i * cb : (i + 1) * cb]) for i in range(num_layers * num_chunks)],
+            [zlib.crc32(flat[offsets[i] : offsets[i + 1]]) for i in range(num_layers * num_chunks)],
             dtype=torch.int64,
         ).view(num_layers, num_chunks)
         final = self.path(node_id)
@@ -98,6 +124,7 @@ class DiskTier:
             Path(tmp).unlink(missing_ok=True)
             raise
         self.sizes[node_id] = len(flat)
+        self.layouts[node_id] = (offsets, flags)
         self.bytes_written += len(flat)
         return crcs
 
@@ -108,10 +135,15 @@ class DiskTier:
         num_chunks: int,  # chunks per layer in this node's file
         chunk_ids: list[int],  # sorted, storage order
         checksums: torch.Tensor,  # [num_layers, num_chunks] int64
-    ) -> torch.Tensor:  # [len(chunk_ids), 2, chunk_size, num_kv_heads, head_dim]
-        """Read the given chunks of one layer: one ``pread`` per run of consecutive chunks."""
-        cb = self.chunk_bytes
-        buf = bytearray(len(chunk_ids) * cb)
+    ) -> tuple[torch.Tensor, int]:  # [len(chunk_ids), 2, chunk_size, num_kv_heads, head_dim], bytes read
+        """Read the given chunks of one layer (one ``pread`` per run of consecutive chunks), in
+        the cache dtype, and the bytes that took."""
+        if node_id not in self.layouts:
+            raise CorruptChunk(node_id, layer, chunk_ids[0] if chunk_ids else -1, "not on disk")
+        offsets, flags = self.layouts[node_id]
+        base = layer * num_chunks
+        spans = [(offsets[base + c], offsets[base + c + 1]) for c in chunk_ids]
+        buf = bytearray(sum(b - a for a, b in spans))
         view = memoryview(buf)
         try:
             fd = os.open(self.path(node_id), os.O_RDONLY)
@@ -122,24 +154,36 @@ class DiskTier:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             at = 0
             for first, count in _runs(chunk_ids):
-                want = count * cb
-                got = os.pread(fd, want, (layer * num_chunks + first) * cb)
-                if len(got) != want:
+                lo, hi = offsets[base + first], offsets[base + first + count]
+                got = os.pread(fd, hi - lo, lo)
+                if len(got) != hi - lo:
                     raise CorruptChunk(node_id, layer, first, "file too short")
-                view[at : at + want] = got
-                at += want
+                view[at : at + hi - lo] = got
+                at += hi - lo
         finally:
             os.close(fd)
-        for j, c in enumerate(chunk_ids):
-            if zlib.crc32(view[j * cb : (j + 1) * cb]) != int(checksums[layer, c]):
+        at = 0
+        for c, (a, b) in zip(chunk_ids, spans):
+            if zlib.crc32(view[at : at + b - a]) != int(checksums[layer, c]):
                 raise CorruptChunk(node_id, layer, c, "checksum mismatch")
-        out = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype)
-        return out.view(len(chunk_ids), *self.chunk_shape)
+            at += b - a
+        if not any(flags[base + c] for c in chunk_ids):  # all in the cache dtype: no copy
+            whole = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype)
+            return whole.view(len(chunk_ids), *self.chunk_shape), len(buf)
+        out = torch.empty(len(chunk_ids), *self.chunk_shape, dtype=self.dtype)
+        at = 0
+        for j, (c, (a, b)) in enumerate(zip(chunk_ids, spans)):
+            dtype = self.low_dtype if flags[base + c] else self.dtype
+            out[j] = torch.frombuffer(buf, dtype=torch.uint8, count=b - a, offset=at).view(dtype).view(self.chunk_shape)
+            at += b - a
+        return out, len(buf)
 
     def delete(self, node_id: int) -> None:
         self.sizes.pop(node_id, None)
+        self.layouts.pop(node_id, None)
         self.path(node_id).unlink(missing_ok=True)
 
     def close(self) -> None:
         self.sizes.clear()
+        self.layouts.clear()
         self._cleanup()  # removes the directory (once)

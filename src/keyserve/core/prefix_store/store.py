@@ -116,7 +116,7 @@ class LoadedPrefix:
     positions: torch.Tensor  # [L, C] int64 positions loaded per layer, ascending; -1 pads a
     # layer that loaded fewer tokens than the longest (its tail)
     kv: torch.Tensor  # [L, C, 2, H, D] (zeros where positions pad)
-    scores: torch.Tensor | None  # [L, H, C] float32 stored scores (importance loads)
+    scores: torch.Tensor | None  # [L, H, C] float32 stored scores (loads that need them)
     exact: bool  # every token of [start, num_tokens) in every layer
     tiers: dict[str, int] = field(default_factory=dict)  # chunks read per tier
 
@@ -192,13 +192,13 @@ class PrefixStore:
                 if tier == "disk":
                     assert nd.checksums is not None
                     t0 = time.perf_counter()
-                    got = self.disk.read_chunks(node.node_id, layer, nd.num_chunks, cids, nd.checksums)
+                    got, nbytes = self.disk.read_chunks(node.node_id, layer, nd.num_chunks, cids, nd.checksums)
                     self.stats.disk_read_seconds += time.perf_counter() - t0
                 else:
                     slots = [self.index[tier].slot((node.node_id, layer, cid)) for cid in cids]
                     got = self.data[tier].read(layer, slots)
+                    nbytes = len(rows) * self.chunk_bytes
                 buf[rows] = got.to("cpu")
-                nbytes = len(rows) * self.chunk_bytes
                 if access:
                     setattr(self.stats, f"{tier}_hits", getattr(self.stats, f"{tier}_hits") + len(rows))
                     setattr(self.stats, f"{tier}_bytes_read", getattr(self.stats, f"{tier}_bytes_read") + nbytes)
@@ -403,7 +403,7 @@ class PrefixStore:
             break
         positions, kv, scores = _pack_layers(pieces)
         counts = (positions >= 0).sum(1)  # [L] tokens loaded per layer
-        if not important_only:
+        if not (important_only or need_scores):
             scores = None
         exact = bool((counts == m - start).all())
         self.stats.hits += 1
@@ -513,7 +513,7 @@ class PrefixStore:
             nd = self._node_data(None, None, None, n=b - a)
         new.payload = nd
         protect = set(nodes) | {new} | {n for sp in splits for n in (sp.head, sp.tail)}
-        if not self._make_disk_room(self._node_bytes(new), protect):
+        if not self._make_disk_room(self.disk.node_bytes(self._low_chunks(nd)), protect):
             self.tree.remove_leaf(new)
             return 0
         self._write(new, to_storage(kv, nd.order))
@@ -547,8 +547,13 @@ class PrefixStore:
             [[f[l]] * C for l in range(L)], [[tick] * C for _ in range(L)],
         )
 
-    def _node_bytes(self, node: RadixNode) -> int:
-        return self.layout.num_layers * (len(node.tokens) // self.chunk) * self.chunk_bytes
+    @staticmethod
+    def _low_chunks(nd: NodeData) -> torch.Tensor:  # [L, C] bool
+        """The chunks without an important token (the disk tier may store them in its
+        ``low_dtype``); none while a node's importance is unknown or its layer loads all."""
+        if nd.important is None:
+            return torch.zeros(len(nd.weight), nd.num_chunks, dtype=torch.bool)
+        return torch.tensor(nd.weight) == 0
 
     def _write(
         self,
@@ -560,7 +565,7 @@ class PrefixStore:
         L, n = stored.shape[:2]
         C = n // self.chunk
         chunks = stored.view(L, C, self.chunk, 2, *stored.shape[3:]).permute(0, 1, 3, 2, 4, 5)
-        nd.checksums = self.disk.write_node(node.node_id, chunks)
+        nd.checksums = self.disk.write_node(node.node_id, chunks, self._low_chunks(nd))
         self.stats.disk_bytes_written += self.disk.sizes[node.node_id]
         for layer in range(L):
             pending = self._pending()
