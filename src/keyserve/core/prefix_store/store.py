@@ -167,15 +167,23 @@ class PrefixStore:
         node: RadixNode,
         storage: torch.Tensor,  # [L, c] storage indices to bring, per layer; -1 pads the tail
         access: bool,
-    ) -> torch.Tensor:  # [L, c, 2, H, D], zeros where storage pads
-        """Read the chunks holding the wanted rows, each from the fastest tier that has it."""
+        out: torch.Tensor | None = None,  # [L, >= at + c, 2, H, D] to write into
+        at: list[int] | None = None,  # per layer: where its rows go in ``out``
+    ) -> torch.Tensor:  # [L, c, 2, H, D], zeros where storage pads (or ``out``, filled at ``at``)
+        """Read the chunks holding the wanted rows, each from the fastest tier that has it.
+        With ``out`` each layer's rows are written at ``at[layer]`` and nothing else is touched
+        (a load of several nodes packs them in place: no second copy)."""
         nd: NodeData = node.payload
         L, c = storage.shape
         H, D = self.layout.num_kv_heads, self.layout.head_dim
-        out = torch.empty(L, c, 2, H, D, dtype=self.layout.dtype)
+        packed = out is not None
+        if out is None:
+            out = torch.empty(L, c, 2, H, D, dtype=self.layout.dtype)
         for layer in range(L):
             rows_wanted = storage[layer][storage[layer] >= 0]  # -1 pads a layer that loads fewer
-            out[layer, rows_wanted.numel() :] = 0
+            base = at[layer] if packed and at is not None else 0
+            if not packed:
+                out[layer, rows_wanted.numel() :] = 0
             if rows_wanted.numel() == 0:
                 continue
             ids, inv = torch.unique(rows_wanted // self.chunk, sorted=True, return_inverse=True)
@@ -213,8 +221,8 @@ class PrefixStore:
             flat = buf.view(-1, H, D)
             k_rows = inv * (2 * self.chunk) + rows_wanted % self.chunk
             n = rows_wanted.numel()
-            out[layer, :n, 0] = flat[k_rows]
-            out[layer, :n, 1] = flat[k_rows + self.chunk]
+            out[layer, base : base + n, 0] = flat[k_rows]
+            out[layer, base : base + n, 1] = flat[k_rows + self.chunk]
         return out
 
     def _access(
@@ -393,7 +401,7 @@ class PrefixStore:
                 return None
             before = {t: getattr(self.stats, f"{t}_hits") for t in TIERS}
             try:
-                pieces = self._load_path(path, start, important_only, min_per_layer, recent_from)
+                positions, kv, scores = self._load_path(path, start, important_only, min_per_layer, recent_from)
             except CorruptChunk as e:
                 self.stats.corrupt_chunks += 1
                 bad = self.tree.nodes.get(e.node_id)
@@ -401,7 +409,6 @@ class PrefixStore:
                     self._drop(bad)
                 continue
             break
-        positions, kv, scores = _pack_layers(pieces)
         counts = (positions >= 0).sum(1)  # [L] tokens loaded per layer
         if not (important_only or need_scores):
             scores = None
@@ -415,9 +422,9 @@ class PrefixStore:
     def _load_path(
         self, path: list, start: int, important_only: bool, min_per_layer: int | None,
         recent_from: int | None = None,
-    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per node on the path: positions [L, c] (-1 pads), KV [L, c, 2, H, D], scores
-        [L, H, c]. A layer short of ``min_per_layer`` tokens in all takes the next most
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The path's selected tokens, packed (``_read_packed``): positions [L, W] (-1 pads),
+        KV [L, W, 2, H, D], scores [L, H, W]. A layer short of ``min_per_layer`` tokens in all takes the next most
         important eligible tokens of the first nodes that have some; with None every layer of
         a node takes as many as its layer that needs the most."""
         L = self.layout.num_layers
@@ -442,7 +449,7 @@ class PrefixStore:
         short = torch.full((L,), min_per_layer or 0, dtype=torch.int64)
         for _, needed, _ in plan:
             short -= needed.sum(1)
-        pieces = []
+        selections = []
         for node, needed, eligible in plan:
             nd = node.payload
             have = needed.sum(1)
@@ -452,17 +459,38 @@ class PrefixStore:
                 extra = torch.minimum(short.clamp(min=0), eligible.sum(1) - have)
                 short -= extra
                 counts = have + extra
-            logical, storage = select_rows(nd.order, needed, eligible, counts)
-            kv = self._read_rows(node, storage, access=True)
-            valid = logical >= 0
-            safe = torch.where(valid, logical, 0)
-            if nd.scores is not None:
-                idx = safe[:, None, :].expand(L, nd.scores.shape[1], -1)
-                scores = nd.scores.gather(2, idx) * valid[:, None, :]
-            else:
-                scores = torch.zeros(L, self.layout.num_kv_heads, logical.shape[1])
-            pieces.append((torch.where(valid, logical + node.start, -1), kv, scores))
-        return pieces
+            selections.append((node, *select_rows(nd.order, needed, eligible, counts)))
+        return self._read_packed(selections)
+
+    def _read_packed(
+        self, selections: list[tuple[RadixNode, torch.Tensor, torch.Tensor]],  # (node, logical [L, c], storage [L, c])
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Read every node's selected rows into one buffer where each layer's tokens come first,
+        ascending by position: positions [L, W] (-1 pads), KV [L, W, 2, H, D] (zeros where
+        positions pad), scores [L, H, W]."""
+        L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
+        counts = [(logical >= 0).sum(1) for _, logical, _ in selections]  # per node: [L]
+        totals = torch.stack(counts).sum(0) if counts else torch.zeros(L, dtype=torch.int64)
+        width = int(totals.max()) if counts else 0
+        positions = torch.full((L, width), -1, dtype=torch.int64)
+        kv = torch.empty(L, width, 2, H, D, dtype=self.layout.dtype)
+        heads = next((node.payload.scores.shape[1] for node, _, _ in selections
+                      if node.payload.scores is not None), H)
+        scores = torch.zeros(L, heads, width)
+        at = [0] * L
+        for (node, logical, storage), n in zip(selections, counts):
+            nd: NodeData = node.payload
+            self._read_rows(node, storage, True, kv, at)
+            for layer, k in enumerate(n.tolist()):  # each layer's valid rows come first
+                rows = logical[layer, :k]
+                positions[layer, at[layer] : at[layer] + k] = rows + node.start
+                if nd.scores is not None:
+                    scores[layer, :, at[layer] : at[layer] + k] = nd.scores[layer][:, rows]
+                at[layer] += k
+        for layer, total in enumerate(at):
+            if total < width:
+                kv[layer, total:] = 0
+        return positions, kv, scores
 
     # ---------------------------------------------------------------- inserts
     def _insert(
@@ -661,31 +689,3 @@ class PrefixStore:
     def close(self) -> None:
         self._unsettled.clear()
         self.disk.close()
-
-
-def _pack_layers(
-    pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Concatenate per-node pieces (each layer's tokens first, -1 pads after) so that each
-    layer's loaded tokens come first, still ascending by position: positions [L, C] (-1 pads),
-    KV [L, C, 2, H, D], scores [L, H, C]. Plain slice copies, one per (layer, piece)."""
-    counts = [(p >= 0).sum(1).tolist() for p, _, _ in pieces]  # per piece: [L]
-    if len(pieces) == 1 and len(set(counts[0])) == 1:
-        return pieces[0]
-    num_layers = pieces[0][0].shape[0]
-    totals = [sum(c[layer] for c in counts) for layer in range(num_layers)]
-    width = max(totals)
-    kv0, sc0 = pieces[0][1], pieces[0][2]
-    positions = torch.full((num_layers, width), -1, dtype=torch.int64)
-    kv = torch.empty(num_layers, width, *kv0.shape[2:], dtype=kv0.dtype)
-    scores = torch.zeros(num_layers, sc0.shape[1], width, dtype=sc0.dtype)
-    for layer in range(num_layers):
-        at = 0
-        for (p, k, sc), c in zip(pieces, counts):
-            n = c[layer]
-            positions[layer, at : at + n] = p[layer, :n]
-            kv[layer, at : at + n] = k[layer, :n]
-            scores[layer, :, at : at + n] = sc[layer, :, :n]
-            at += n
-        kv[layer, at:] = 0
-    return positions, kv, scores
