@@ -253,7 +253,7 @@ def run_quality(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any
     plist = [prompts[d] for d in names]
     full = collect(runs["full"], names)
     q["configs"] = {"full": summarize_config(full, full, plist, None, bpt, scorer)}
-    for name in [key(p, b) for p in ALL_POLICIES for b in BUDGETS]:  # every complete one
+    for name in [key(p, b) for p in POLICIES + list(VARIANTS) + list(RECENT) for b in BUDGETS]:  # every complete one
         if all("token_ids" in runs.get(name, {}).get(d, {}) for d in names):
             budget = float(name.split("@")[1])
             q["configs"][name] = summarize_config(collect(runs[name], names), full, plist, budget, bpt, scorer)
