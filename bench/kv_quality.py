@@ -66,13 +66,15 @@ PEAK_MEMORY: dict[str, str] = {"keyformer_peak": "keyformer", "h2o_peak": "h2o"}
 # The recent window's share of k (``recent_ratio``, 0.3 in every other row) as an ablation: the
 # rest of k goes to the tokens the scores pick.
 RECENT: dict[str, tuple[str, float]] = {"keyformer_r10": ("keyformer", 0.1), "keyformer_r50": ("keyformer", 0.5),
-                                        "h2o_r10": ("h2o", 0.1)}
+                                        "h2o_r10": ("h2o", 0.1), "keyformer_peak_r10": ("keyformer_peak", 0.1)}
 ALL_POLICIES = POLICIES + list(VARIANTS) + list(PEAK_MEMORY) + list(RECENT)  # what --policies accepts
 
 
 def base_policy(name: str) -> str:
     """The KV policy a policy or variant runs (``keyformer_peak`` -> ``keyformer``)."""
-    return PEAK_MEMORY.get(name) or RECENT.get(name, (None,))[0] or VARIANTS.get(name, (name,))[0]
+    if name in RECENT:
+        return base_policy(RECENT[name][0])
+    return PEAK_MEMORY.get(name) or VARIANTS.get(name, (name,))[0]
 
 
 BUDGETS = [0.2, 0.3, 0.5, 0.7, 0.9]
@@ -105,7 +107,7 @@ def params_for(policy: str, budget: float | None, recent_ratio: float, prompt_le
                               recent_ratio=recent_ratio, **kw)
     if policy in RECENT:
         base, recent_ratio = RECENT[policy]
-        return SamplingParams(temperature=0.0, kv_policy=base, kv_budget=budget, recent_ratio=recent_ratio, **kw)
+        return params_for(base, budget, recent_ratio, prompt_len, max_new_tokens, **kw)
     base, window, pooling = VARIANTS.get(policy, (policy, "all", "kv_head"))
     return SamplingParams(temperature=0.0, kv_policy=base, kv_budget=budget, recent_ratio=recent_ratio,
                           kv_score_window=window, kv_score_pooling=pooling, **kw)
@@ -253,7 +255,8 @@ def run_quality(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any
     plist = [prompts[d] for d in names]
     full = collect(runs["full"], names)
     q["configs"] = {"full": summarize_config(full, full, plist, None, bpt, scorer)}
-    for name in [key(p, b) for p in POLICIES + list(VARIANTS) + list(RECENT) for b in BUDGETS]:  # every complete one
+    nominal = POLICIES + list(VARIANTS) + [p for p, (base, _) in RECENT.items() if base not in PEAK_MEMORY]
+    for name in [key(p, b) for p in nominal for b in BUDGETS]:  # every complete one
         if all("token_ids" in runs.get(name, {}).get(d, {}) for d in names):
             budget = float(name.split("@")[1])
             q["configs"][name] = summarize_config(collect(runs[name], names), full, plist, budget, bpt, scorer)
