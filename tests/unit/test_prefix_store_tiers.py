@@ -186,34 +186,44 @@ def test_corrupt_chunk_is_a_counted_miss(tmp_path: Path, damage: str) -> None:
     check_exact(store, a, 16)
 
 
-@pytest.mark.parametrize("low_dtype", [torch.float16, torch.bfloat16])
-def test_unimportant_chunks_on_disk_in_low_precision(tmp_path: Path, low_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("low_dtype, repack, hot", [
+    (torch.float16, True, [2, 7, 9, 13]),  # repacked: one important chunk, then three low ones
+    (torch.bfloat16, True, [2, 7, 9, 13]),
+    (torch.float16, False, [1, 2, 3, 4]),  # in place: important chunks 0 and 1, low 2 and 3
+    (torch.float16, False, [0, 1, 8, 9]),  # low chunks between important ones (runs alternate)
+])
+def test_unimportant_chunks_on_disk_in_low_precision(
+    tmp_path: Path, low_dtype: torch.dtype, repack: bool, hot: list[int]
+) -> None:
     """With ``low_dtype`` the chunks without an important token take its size on disk and come
     back rounded to it; important chunks, and a node stored before its importance is known,
     stay bit-exact. A load of every token under a budget brings the stored scores along."""
     n = 16
     tokens = list(range(200, 200 + n + 1))
     scores = torch.zeros(L, H, n)
-    scores[:, :, [2, 7, 9, 13]] = 1.0  # one important chunk per layer after repacking
-    store = make_store(tmp_path, top_k_fraction=0.25, low_dtype=low_dtype)
+    scores[:, :, hot] = 1.0
+    store = make_store(tmp_path, top_k_fraction=0.25, low_dtype=low_dtype, repack=repack)
     insert(store, tokens)  # importance unknown: every chunk as cached
     node = store.tree.match(tokens)[0].node
     full, low = store.chunk_bytes, store.chunk_bytes // 2
     assert store.disk.sizes[node.node_id] == L * (n // CHUNK) * full
     check_exact(store, tokens, n)
-    insert(store, tokens, scores)  # repacked: 1 important + 3 unimportant chunks per layer
-    assert store.disk.sizes[node.node_id] == L * (full + 3 * low)
+    insert(store, tokens, scores)  # now with importance (and, if repack, relaid out)
+    num_full = -(-len(hot) // CHUNK) if repack else len({p // CHUNK for p in hot})
+    size = L * (num_full * full + (n // CHUNK - num_full) * low)
+    assert store.disk.sizes[node.node_id] == size
     want = kv_of(tokens, 0, n)
     before = store.stats.disk_bytes_read
     got = store.load(tokens, n, need_scores=True)  # every token, with the stored scores
     assert got is not None and got.exact and got.positions.equal(torch.arange(n).expand(L, -1))
-    assert store.stats.disk_bytes_read - before == L * (full + 3 * low)
-    hot = [2, 7, 9, 13]
-    cold = [p for p in range(n) if p not in hot]
-    assert torch.equal(got.kv[:, hot], want[:, hot])  # important: bit-exact
+    assert store.stats.disk_bytes_read - before == size
+    exact = [p for p in range(n) if p // CHUNK in {h // CHUNK for h in hot}] if not repack else hot
+    cold = [p for p in range(n) if p not in exact]
+    assert torch.equal(got.kv[:, exact], want[:, exact])  # in an important chunk: bit-exact
     assert torch.equal(got.kv[:, cold], want[:, cold].to(low_dtype).float())  # rounded once
     assert not torch.equal(got.kv[:, cold], want[:, cold])
-    assert got.scores is not None and got.scores[:, 0, hot].eq(1).all() and got.scores[:, 0, cold].eq(0).all()
+    assert got.scores is not None and got.scores[:, 0, hot].eq(1).all()
+    assert got.scores[:, 0, [p for p in range(n) if p not in hot]].eq(0).all()
     imp = store.load(tokens, n, important_only=True, need_scores=True)
     assert imp is not None and torch.equal(imp.kv[:, :4], want[:, hot])
     path = store.disk.path(node.node_id)  # a flipped byte in a low-precision chunk is caught

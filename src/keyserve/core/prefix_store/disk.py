@@ -46,6 +46,17 @@ def _runs(ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _flag_runs(flags: list[bool]) -> list[tuple[int, int, bool]]:
+    """(start, end, flag) of each run of equal consecutive ``flags``."""
+    runs: list[tuple[int, int, bool]] = []
+    for i in range(len(flags)):
+        if runs and runs[-1][2] == flags[i]:
+            runs[-1] = (runs[-1][0], i + 1, flags[i])
+        else:
+            runs.append((i, i + 1, flags[i]))
+    return runs
+
+
 class DiskTier:
     def __init__(
         self,
@@ -98,8 +109,9 @@ class DiskTier:
         if low is not None and self.low_dtype is not None:
             flags = low.reshape(-1).tolist()
         chunks = data.detach().to("cpu").reshape(num_layers * num_chunks, -1)
-        if any(flags):  # each chunk in its own dtype, in place
-            parts = [c.to(self.low_dtype if f else self.dtype).view(torch.uint8) for c, f in zip(chunks, flags)]
+        if any(flags):  # each chunk in its own dtype, in place: one cast per run of equal flags
+            parts = [chunks[a:b].to(self.low_dtype if f else self.dtype).reshape(-1).view(torch.uint8)
+                     for a, b, f in _flag_runs(flags)]
             raw = torch.cat(parts).numpy()
         else:
             raw = chunks.to(self.dtype).contiguous().view(torch.uint8).numpy()
@@ -172,10 +184,11 @@ class DiskTier:
             return whole.view(len(chunk_ids), *self.chunk_shape), len(buf)
         out = torch.empty(len(chunk_ids), *self.chunk_shape, dtype=self.dtype)
         at = 0
-        for j, (c, (a, b)) in enumerate(zip(chunk_ids, spans)):
-            dtype = self.low_dtype if flags[base + c] else self.dtype
-            out[j] = torch.frombuffer(buf, dtype=torch.uint8, count=b - a, offset=at).view(dtype).view(self.chunk_shape)
-            at += b - a
+        for a, b, low in _flag_runs([flags[base + c] for c in chunk_ids]):
+            nbytes = (b - a) * (self.low_chunk_bytes if low else self.chunk_bytes)
+            raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=at)
+            out[a:b] = raw.view(self.low_dtype if low else self.dtype).view(b - a, *self.chunk_shape)
+            at += nbytes
         return out, len(buf)
 
     def delete(self, node_id: int) -> None:
