@@ -318,7 +318,29 @@ def render(data: dict[str, Any]) -> str:
             f"half and the window only, so the question's attention to the tokens left on the store is lost and "
             f"they can never enter H2O's selection. ROUGE-L {imp['rougeL']:.4f} vs {h2o['rougeL']:.4f} here; on "
             f"the first 4 documents alone the window closed the gap (0.712 vs 0.676, docs/prefix-store.md). "
-            f"Loading every token with its stored scores would give H2O's own selection, at (b)'s disk bytes.")
+            f"Loading every token with its stored scores gives H2O's own selection (impress_all, below).")
+    full_load = s.get("impress_all")
+    if full_load and h2o and lru_all:
+        fb = lru_all["store"].get("disk_bytes_read", 0)
+        fd = full_load["store"].get("disk_bytes_read", 0)
+        timing = ""
+        if full_load.get("repeat_load_s") is not None and lru and lru.get("repeat_load_s") is not None:
+            timing = (f" A store hit costs {full_load['ttft_repeat_mean'] * 1e3:.0f} ms = load "
+                      f"{full_load['repeat_load_s'] * 1e3:.0f} (disk reads {full_load['repeat_disk_read_s'] * 1e3:.0f}) + "
+                      f"the rest {(full_load['ttft_repeat_mean'] - full_load['repeat_load_s']) * 1e3:.0f}: its suffix "
+                      f"attends over every prefix token, and H2O selects among all of them, so the rest is longer than "
+                      f"lru_h2o's ({(lru['ttft_repeat_mean'] - lru['repeat_load_s']) * 1e3:.0f} ms) while its load is "
+                      f"shorter ({lru['repeat_load_s'] * 1e3:.0f} ms).")
+        reading.append(
+            f"impress_all loads every token of a stored prefix under H2O, with the scores stored with it: the "
+            f"question is computed over the whole prefix and H2O selects as if it had recomputed it. ROUGE-L "
+            f"{full_load['rougeL']:.4f} against {h2o['rougeL']:.4f} for H2O recomputed "
+            f"({(full_load['rougeL'] - h2o['rougeL']) / h2o['rougeL']:+.1%}; {full_load['exact_answers']} and "
+            f"{h2o['exact_answers']} of {data['num_requests']} answers equal full attention's). Importance decides "
+            f"tier and precision instead of what is loaded: the chunks without an important token are float16 on "
+            f"disk, so it reads {fd / mib:.0f} MiB from disk, {fb / max(fd, 1):.2f}× less than (b) "
+            f"({fb / mib:.0f} MiB), most of the important half coming from the memory tiers "
+            f"({full_load['store'].get('host_bytes_read', 0) / mib:.0f} MiB from host).{timing}")
     if imp and lru_all:
         same = lru_all["exact_answers"]
         reading.append(
