@@ -424,9 +424,9 @@ class PrefixStore:
         recent_from: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The path's selected tokens, packed (``_read_packed``): positions [L, W] (-1 pads),
-        KV [L, W, 2, H, D], scores [L, H, W]. A layer short of ``min_per_layer`` tokens in all takes the next most
-        important eligible tokens of the first nodes that have some; with None every layer of
-        a node takes as many as its layer that needs the most."""
+        KV [L, W, 2, H, D], scores [L, H, W]. A layer short of ``min_per_layer`` tokens in all
+        takes the next most important eligible tokens of the first nodes that have some; with
+        None every layer of a node takes as many as its layer that needs the most."""
         L = self.layout.num_layers
         plan = []
         for step in path:
@@ -463,7 +463,8 @@ class PrefixStore:
         return self._read_packed(selections)
 
     def _read_packed(
-        self, selections: list[tuple[RadixNode, torch.Tensor, torch.Tensor]],  # (node, logical [L, c], storage [L, c])
+        self,
+        selections: list[tuple[RadixNode, torch.Tensor, torch.Tensor]],  # (node, logical [L, c], storage [L, c])
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Read every node's selected rows into one buffer where each layer's tokens come first,
         ascending by position: positions [L, W] (-1 pads), KV [L, W, 2, H, D] (zeros where
