@@ -80,15 +80,20 @@ class DiskTier:
         self.chunk_bytes = numel * dtype.itemsize
         self.low_dtype = low_dtype if low_dtype != dtype else None
         self.low_chunk_bytes = numel * (self.low_dtype or dtype).itemsize
-        self.sizes: dict[int, int] = {}  # node_id -> file bytes
-        # node_id -> (byte offset of every chunk, layer-major, and the end; low-precision flags)
+        # node_id -> (byte offset of every chunk, layer-major, and the end = the file's size;
+        # low-precision flags)
         self.layouts: dict[int, tuple[list[int], list[bool]]] = {}
         self.bytes_written = 0
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.root), True)
 
     @property
+    def sizes(self) -> dict[int, int]:
+        """node_id -> file bytes."""
+        return {node_id: offsets[-1] for node_id, (offsets, _) in self.layouts.items()}
+
+    @property
     def used_bytes(self) -> int:
-        return sum(self.sizes.values())
+        return sum(offsets[-1] for offsets, _ in self.layouts.values())
 
     def path(self, node_id: int) -> Path:
         return self.root / f"{node_id}.kv"
@@ -135,7 +140,6 @@ class DiskTier:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        self.sizes[node_id] = len(flat)
         self.layouts[node_id] = (offsets, flags)
         self.bytes_written += len(flat)
         return crcs
@@ -192,11 +196,9 @@ class DiskTier:
         return out, len(buf)
 
     def delete(self, node_id: int) -> None:
-        self.sizes.pop(node_id, None)
         self.layouts.pop(node_id, None)
         self.path(node_id).unlink(missing_ok=True)
 
     def close(self) -> None:
-        self.sizes.clear()
         self.layouts.clear()
         self._cleanup()  # removes the directory (once)

@@ -181,7 +181,7 @@ class PrefixStore:
             out = torch.empty(L, c, 2, H, D, dtype=self.layout.dtype)
         for layer in range(L):
             rows_wanted = storage[layer][storage[layer] >= 0]  # -1 pads a layer that loads fewer
-            base = at[layer] if packed and at is not None else 0
+            base = at[layer] if at is not None else 0
             if not packed:
                 out[layer, rows_wanted.numel() :] = 0
             if rows_wanted.numel() == 0:
