@@ -184,21 +184,39 @@ def test_gather_asks_whether_a_silent_actor_is_alive() -> None:
     gate.set()
 
 
-def test_a_relayed_message_is_answered_to_the_engine() -> None:
-    """The relayed step's plumbing (``channel_graph.py``): a head actor hands its input on over
-    a relay connection to two "shards", which answer on the engine's destination connections,
-    not to the head; the head answers the engine itself. An error in a relayed handler reaches
-    the engine too."""
-    from keyserve.actors.relay import SHARDS, Relay
+def _relay_shards(num_ranks: int, ran: list | None = None) -> tuple[list[ChannelClient], list[tuple[str, int]]]:
+    """``num_ranks`` "shards" as the relayed graph connects them: rank 0 hands each
+    ``graph_lead`` on to the others (``relay.hand_on``); each rank answers on the engine's
+    destination connection. ``ran`` records (rank, step) as each runs it."""
+    from keyserve.actors.relay import PEERS, Relay, hand_on
 
     def shard(rank: int):
         def graph_execute(step, probs):
+            if ran is not None:
+                ran.append((rank, step))
             if step == "BAD":
                 raise Boom(f"rank {rank} failed")
             return (rank, step, probs)
         return graph_execute
 
-    shard_ends = [_endpoint(graph_execute=shard(r)) for r in range(2)]
+    peers = Relay()
+    ends = [_endpoint(graph_execute=shard(0), graph_lead=lambda frame, probs: shard(0)(hand_on(peers, frame), probs))]
+    ends += [_endpoint(graph_execute=shard(r)) for r in range(1, num_ranks)]
+    addresses = [address for _, address in ends]
+    destinations = [ChannelClient(address, TOKEN, role=DESTINATION) for address in addresses]
+    peers.connect(TOKEN, PEERS, addresses[1:])
+    return destinations, addresses
+
+
+def test_a_relayed_message_is_answered_to_the_engine() -> None:
+    """The relayed step's plumbing (``channel_graph.py``): a head actor hands its input on over
+    a relay connection to rank 0 of two "shards", which hands it on to rank 1 (the draft
+    probabilities stay with rank 0); both answer on the engine's destination connections, not
+    to the head; the head answers the engine itself. An error in a relayed handler reaches the
+    engine too."""
+    from keyserve.actors.relay import SHARDS, Relay
+
+    destinations, addresses = _relay_shards(2)
     relay = Relay()
 
     def relay_step(request, batch):
@@ -206,20 +224,59 @@ def test_a_relayed_message_is_answered_to_the_engine() -> None:
         return "scheduled " + request
 
     _, head = _endpoint(relay_step=relay_step)
-    destinations = [ChannelClient(address, TOKEN, role=DESTINATION) for _, address in shard_ends]
     head_client = ChannelClient(head, TOKEN, role=DESTINATION)
-    relay.connect(TOKEN, SHARDS, [address for _, address in shard_ends])
+    relay.connect(TOKEN, SHARDS, addresses[:1])
     clients = [head_client, *destinations]
     head_client.send(encode(("relay_step", ("step", "probs"))))
-    assert gather(clients, lambda: True) == ["scheduled step", (0, "STEP", "probs"), (1, "STEP", None)]
+    assert gather(clients, lambda: False, poll_s=10) == ["scheduled step", (0, "STEP", "probs"), (1, "STEP", None)]
     head_client.send(encode(("relay_step", ("bad", None))))
     with pytest.raises(Boom, match="rank"):
-        gather(clients[1:], lambda: True)
+        gather(clients[1:], lambda: False, poll_s=10)
     assert head_client.recv() == "scheduled bad"
     with pytest.raises(RuntimeError, match="relays to nobody"):
         Relay().to_shards("step")
+    with pytest.raises(ValueError, match="one actor"):
+        Relay().connect(TOKEN, SHARDS, addresses)  # the shards' relay reaches rank 0 only
     with pytest.raises(ChannelClosed, match="refused"):
-        ChannelClient(shard_ends[0][1], TOKEN, role=b"?")  # no such role
+        ChannelClient(addresses[0], TOKEN, role=b"?")  # no such role
+
+
+def test_a_relay_that_dies_after_its_send_leaves_no_rank_behind() -> None:
+    """The hand-off a relay's death can no longer split (``relay.py``): the relay sends rank 0
+    its one message and is gone at once; every rank still runs the step and answers. (When the
+    relay sent each rank its own message, the ranks it had not reached yet never got the step,
+    and rank 0 waited in a collective for them.)"""
+    from keyserve.actors.relay import SHARDS, Relay
+
+    destinations, addresses = _relay_shards(3)
+    relay = Relay()
+    relay.connect(TOKEN, SHARDS, addresses[:1])
+    relay.to_shards("step", "probs")
+    relay.clients[0].close()  # the relay's process ends here
+    # (a rank that never gets the step fails the gather after 10 s without a reply)
+    assert gather(destinations, lambda: False, poll_s=10) == [(0, "step", "probs"), (1, "step", None), (2, "step", None)]
+
+
+def test_a_relayed_message_cut_off_by_its_senders_death_runs_nowhere() -> None:
+    """The other half: a relay that dies while its message to rank 0 is half sent leaves no
+    rank with the step (rank 0 drops the connection at the short read and hands nothing on);
+    the next relay's step runs everywhere."""
+    from keyserve.actors.relay import SHARDS, Relay, lead_message
+    from keyserve.actors.step_channel import RELAY
+
+    ran: list = []
+    destinations, addresses = _relay_shards(2, ran)
+    payload = lead_message("lost step", "probs")
+    dying = socket.create_connection(addresses[0])
+    dying.sendall(TOKEN + RELAY)
+    assert dying.recv(1) == ACCEPTED
+    dying.sendall(len(payload).to_bytes(8, "little") + payload[: len(payload) // 2])
+    dying.close()
+    relay = Relay()  # the graph built again, over the same shards
+    relay.connect(TOKEN, SHARDS, addresses[:1])
+    relay.to_shards("next step")
+    assert gather(destinations, lambda: False, poll_s=10) == [(0, "next step", None), (1, "next step", None)]
+    assert sorted(ran) == [(0, "next step"), (1, "next step")]
 
 
 def test_a_step_item_crosses_a_channel_whole() -> None:

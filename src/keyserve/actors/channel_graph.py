@@ -3,7 +3,11 @@
 
     driver --request, draft batch--> KV-block manager (commands, schedule)
       --step, draft batch--> draft actor (drafts into the step)
-      --step, draft probs--> target shards (forward, rank 0 samples and verifies) --output--> driver
+      --step, draft probs--> target shard rank 0 --step--> the other ranks
+      (forward, rank 0 samples and verifies) --output--> driver
+
+Rank 0 hands the step to the other ranks itself (``relay.py`` says why: a relay that died
+between two sends left rank 0 alone in a collective).
 
 Each actor hands the step on before it answers the driver with what only it knows: the
 KV-block manager its answer (block counts, core stats) and the step, the draft actor its draft
@@ -25,7 +29,7 @@ from __future__ import annotations
 import ray
 
 from keyserve.actors.common import alive, channel_addresses
-from keyserve.actors.relay import DRAFT, SHARDS
+from keyserve.actors.relay import DRAFT, PEERS, SHARDS
 from keyserve.actors.step_channel import DESTINATION, ChannelClient, encode, gather
 from keyserve.actors.step_graph import GraphResult, graph_key
 
@@ -44,11 +48,12 @@ class ChannelGraph:
             for address in addresses:
                 self.clients.append(ChannelClient(address, token, role=DESTINATION))
             shards = addresses[-len(workers):]
+            head = draft if draft is not None else core  # who hands the step to rank 0
+            calls = [workers[0].relay_to.remote(token, PEERS, shards[1:]),
+                     head.relay_to.remote(token, SHARDS, shards[:1])]  # type: ignore[attr-defined]
             if draft is not None:
-                ray.get([core.relay_to.remote(token, DRAFT, [addresses[1]]),  # type: ignore[attr-defined]
-                         draft.relay_to.remote(token, SHARDS, shards)])  # type: ignore[attr-defined]
-            else:
-                ray.get(core.relay_to.remote(token, SHARDS, shards))  # type: ignore[attr-defined]
+                calls.append(core.relay_to.remote(token, DRAFT, [addresses[1]]))  # type: ignore[attr-defined]
+            ray.get(calls)
         except BaseException:
             self.teardown()  # an actor lost while connecting: the step that asked diagnoses it
             raise

@@ -64,6 +64,11 @@ def encode(message: object) -> bytes:
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+def decode(payload: bytes) -> Any:
+    """``encode``'s inverse (a message read whole, or one carried inside another)."""
+    return pickle.loads(payload)
+
+
 def _send(sock: socket.socket, payload: bytes) -> None:
     header = _HEADER.pack(len(payload))
     if len(payload) < _SMALL:
@@ -86,7 +91,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 
 def _recv(sock: socket.socket) -> object:
     (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    return pickle.loads(_recv_exact(sock, n))
+    return decode(_recv_exact(sock, n))
 
 
 class ChannelServer:

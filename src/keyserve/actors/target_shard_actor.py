@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from keyserve.actors.compute_thread import ComputeThread
+from keyserve.actors.relay import Relay, hand_on
 from keyserve.actors.step_channel import ChannelEndpoint
 from keyserve.core.cpu_count import threads_per_shard, usable_cpus
 from keyserve.engine import build
@@ -72,12 +73,19 @@ class TargetShardActor:
         self.runner: ModelRunner | None = None
         self.compute = ComputeThread()  # every torch call of this shard, on one thread
         self.endpoint = ChannelEndpoint(self.compute)  # the plain path's step channel (step_channel.py)
+        self.relay = Relay()  # rank 0's: the relayed step on to the other ranks (relay.py)
 
     def channel_address(self, token: bytes) -> tuple[str, int]:
         """Open (once per engine client) the socket the plain step path sends steps over (and
         the relayed step graph ``graph_execute``)."""
         return self.endpoint.open(ray.util.get_node_ip_address(), token,
-                                  {"execute": self.channel_execute, "graph_execute": self.graph_execute})
+                                  {"execute": self.channel_execute, "graph_execute": self.graph_execute,
+                                   "graph_lead": self.graph_lead})
+
+    def relay_to(self, token: bytes, kind: str, addresses: list[tuple[str, int]]) -> None:
+        """Rank 0: connect to the other ranks, to hand them each relayed step (``graph_lead``)."""
+        with self.endpoint.lock:
+            self.relay.connect(token, kind, addresses)
 
     def master_address(self) -> tuple[str, int]:
         """Rank 0 picks the process group's TCP store address (a free port on its node)."""
@@ -134,6 +142,15 @@ class TargetShardActor:
             return None
         out = self.execute(step, draft_probs)
         return out if self.rank == 0 else None
+
+    def graph_lead(
+        self,
+        frame: bytes,  # the other ranks' encoded ``graph_execute(step, None)``
+        draft_probs: torch.Tensor | None = None,  # [num_verify, max_draft, vocab]
+    ) -> StepOutput | None:
+        """Rank 0's relayed step: handed on to the other ranks before it runs here, so that
+        every rank has it or none does (``relay.py``)."""
+        return self.graph_execute(hand_on(self.relay, frame), draft_probs)  # type: ignore[arg-type]
 
     def ready(self) -> bool:
         return True
