@@ -39,7 +39,8 @@ from keyserve.core.kv_policy import KVBudget
 from keyserve.core.sampler import SamplingTensors, exponential_noise, make_generator, processed_probs, row_argmax
 from keyserve.core.sequence import Sequence
 from keyserve.engine.kv_budget.resolve import resolve_budget
-from keyserve.engine.model_runner import ModelRunner
+from keyserve.engine.draft_chain import greedy_tokens, next_decode_inputs
+from keyserve.engine.model_runner import ModelInputs, ModelRunner
 from keyserve.engine.step_input import CompactOp, SeqInfo, SettleOp, StepInput, StepItem
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,9 @@ class Drafter:
         self.mirror_budgets: dict[int, KVBudget] = {}  # target seq_id -> the budget of its mirror
         self.settled: dict[int, int] = {}  # target seq_id -> tokens valid at the last settle
         self.undraftable: set[int] = set()  # target seq_ids whose drafting raised: never drafted
+        # Greedy unbudgeted forwards skip the runner's execute (``draft_chain.py``); False runs
+        # every forward through it (the reference the chained path is tested against).
+        self.chained = True
 
     # --------------------------------------------------------------- mirrors
     def _sync(self, target: Sequence) -> Sequence:
@@ -273,6 +277,7 @@ class Drafter:
         for t in targets:
             self.generator_marks.before_draws(t.seq_id, self.generators[t.seq_id], len(t.output_token_ids))
         active = [i for i in range(b) if num_draft[i] > 0]
+        chain: _Chain | None = None  # the last greedy forward, while the next can follow on from it
         for step in range(k_max):
             decode, chunks = [], []  # (row, new tokens): one-token decodes first, like the target's
             for i in active:
@@ -284,22 +289,27 @@ class Drafter:
             if not decode and not chunks:
                 break
             rows = decode + chunks
-            step_input = self._step_input([(mirrors[i], targets[i], n) for i, n in rows], len(decode), step)
-            result = self.runner.execute(step_input)
-            if result.failed:  # a mirror's own budget or seed: found by drafting each alone
-                raise RuntimeError(f"the draft could not run {sorted(result.failed.values())}")
             batch = [i for i, _ in rows]
-            logits = torch.cat([result.logits[mirrors[i].seq_id] for i in batch])  # [n, vocab]
-            if st_all.all_greedy:  # no distribution needed: verification compares argmaxes
-                drawn = row_argmax(logits)
+            if self.chained and st_all.all_greedy and not any(targets[i].seq_id in self.mirror_budgets for i in batch):
+                # no distribution needed (verification compares argmaxes), no budget to plan
+                drawn, chain = self._greedy_forward(mirrors, targets, rows, len(decode), step, chain)
             else:
-                st = SamplingTensors.from_params([targets[i].params for i in batch], logits.device)
-                p = processed_probs(logits, st)  # [n, vocab]
-                gens = [self.generators[targets[i].seq_id] for i in batch]
-                drawn = row_argmax(p / exponential_noise(len(batch), p.shape[-1], gens, p.device))
-                if probs is None:
-                    probs = torch.zeros(b, k_max, p.shape[-1], dtype=torch.float32, device=p.device)
-                probs[torch.tensor(batch, device=p.device), step] = p  # one copy for the batch
+                chain = None
+                step_input = self._step_input([(mirrors[i], targets[i], n) for i, n in rows], len(decode), step)
+                result = self.runner.execute(step_input)
+                if result.failed:  # a mirror's own budget or seed: found by drafting each alone
+                    raise RuntimeError(f"the draft could not run {sorted(result.failed.values())}")
+                logits = torch.cat([result.logits[mirrors[i].seq_id] for i in batch])  # [n, vocab]
+                if st_all.all_greedy:
+                    drawn = row_argmax(logits)
+                else:
+                    st = SamplingTensors.from_params([targets[i].params for i in batch], logits.device)
+                    p = processed_probs(logits, st)  # [n, vocab]
+                    gens = [self.generators[targets[i].seq_id] for i in batch]
+                    drawn = row_argmax(p / exponential_noise(len(batch), p.shape[-1], gens, p.device))
+                    if probs is None:
+                        probs = torch.zeros(b, k_max, p.shape[-1], dtype=torch.float32, device=p.device)
+                    probs[torch.tensor(batch, device=p.device), step] = p  # one copy for the batch
             for i, token in zip(batch, drawn.tolist()):
                 m = mirrors[i]
                 m.num_computed_tokens = m.num_tokens
@@ -310,6 +320,39 @@ class Drafter:
                 m.output_token_ids.append(token)
             active = [i for i in batch if proposed[i] < num_draft[i]]
         return Proposal(tokens, probs, torch.tensor(proposed, dtype=torch.int64))
+
+    def _greedy_forward(
+        self, mirrors: list[Sequence], targets: list[Sequence], rows: list[tuple[int, int]],
+        num_decode: int, step: int, chain: _Chain | None,
+    ) -> tuple[torch.Tensor, _Chain | None]:  # [len(rows)] int64 drawn tokens, the next chain
+        """A greedy forward of unbudgeted mirrors (``draft_chain.py``): over the same one-token
+        rows as the last forward, its inputs one position on; else packed from a ``StepInput``.
+        Either way no ``execute`` and no full-vocabulary logits."""
+        runner = self.runner
+        batch = [i for i, _ in rows]
+        tables = [len(mirrors[i].block_table) for i in batch]
+        one_token = all(n == 1 for _, n in rows)
+        if chain is not None and one_token and chain.batch == batch:
+            grown = [mirrors[i].block_table for i in batch] if tables != chain.tables else None
+            inputs = next_decode_inputs(chain.inputs, chain.drawn, grown, runner.block_size)
+        else:
+            step_input = self._step_input([(mirrors[i], targets[i], n) for i, n in rows], num_decode, step)
+            packed = runner.prepare(step_input)
+            assert packed is not None
+            inputs = packed
+        last = inputs.last_token_index
+        drawn = greedy_tokens(runner, inputs, [last[mirrors[i].seq_id] for i in batch])
+        return drawn, (_Chain(inputs, batch, tables, drawn) if one_token else None)
+
+
+@dataclass
+class _Chain:
+    """A greedy draft forward the next one can follow on from (``draft_chain.py``)."""
+
+    inputs: ModelInputs  # its one-token decode rows
+    batch: list[int]  # the proposal's rows, in the forward's order
+    tables: list[int]  # each row's block-table length then
+    drawn: torch.Tensor  # [len(batch)] int64 what it drew: the next forward's input tokens
 
 
 def _put(out: Proposal, rows: list[int], part: Proposal) -> None:

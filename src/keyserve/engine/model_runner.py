@@ -60,7 +60,7 @@ class ModelInputs:
     score_rows: list[ScoreRows] = field(default_factory=list)  # budgeted items whose scores come back
 
 
-def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+def pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     """[len(tables), longest] int32 block tables, zero-padded: one tensor built in one call."""
     width = max((len(t) for t in tables), default=0) or 1
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(-1, width).to(device)
@@ -207,9 +207,9 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
             num_decode_seqs=len(dec),
-            decode_block_tables=_pad_tables(dec.tables, dev),
+            decode_block_tables=pad_tables(dec.tables, dev),
             decode_context_lens=dec.context_lens_tensor(self.num_layers, dev),
-            prefill_block_tables=_pad_tables(pre.tables, dev),
+            prefill_block_tables=pad_tables(pre.tables, dev),
             prefill_query_start_loc=torch.tensor(
                 [0] + list(itertools.accumulate(pre.query_lens)), dtype=torch.int32, device=dev
             ),
