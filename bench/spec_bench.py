@@ -219,8 +219,8 @@ class StepClock:
     """Per-step phase times of one engine, by wrapping (on the instances only) the calls a
     step makes: ``drafter.propose`` (draft: its forwards and its own bookkeeping), the target
     runner's ``forward_logits`` (target), ``_sample`` + ``_verify`` (verify/sample); the rest
-    of ``engine.step`` is bookkeeping (scheduling, stop checks, commit). The draft runner's
-    ``forward_logits`` is timed too, for the cost ratio c."""
+    of ``engine.step`` is bookkeeping (scheduling, stop checks, commit). The draft model's
+    forward and LM head are timed too, for the cost ratio c."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -233,7 +233,12 @@ class StepClock:
         self._wrap(runner, "execute", "execute", self._note_step)
         if drafter is not None:
             self._wrap(drafter, "propose", "draft")
-            self._wrap(drafter.runner, "forward_logits", "draft_forward")
+            # the draft's forwards go through the runner or, chained, to the model directly
+            # (engine/draft_chain.py): its layers and its head, timed either way
+            model = drafter.runner.model
+            self._wrap(model, "forward", "draft_forward")
+            self._wrap(model, "compute_head_logits" if hasattr(model, "compute_head_logits") else "compute_logits",
+                       "draft_forward")
         self._wrap(engine, "step", "total", self._close_step, first=True)
 
     def _note_step(self, step, *_: object) -> None:
