@@ -26,7 +26,7 @@ from keyserve.core.prefix_store import (
     to_storage,
     top_k_mask,
 )
-from keyserve.core.prefix_store.repack import chunk_counts
+from keyserve.core.prefix_store.repack import chunk_counts, storage_chunks
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CHUNK = 2
@@ -261,6 +261,15 @@ def test_repacking_mapping_round_trip_and_density(num_layers, num_chunks, seed, 
         for s in range(n):
             assert torch.equal(stored[layer, s], data[layer, int(order[layer, s])])
     assert torch.equal(to_logical(stored, order), data)
+    # the disk tier's layout: storage order cut into chunks, each its K rows then its V rows
+    kv = torch.randn(num_layers, n, 2, 3, 4, generator=gen)
+    chunks = storage_chunks(kv, order, CHUNK)
+    assert chunks.is_contiguous() and chunks.shape == (num_layers, num_chunks, 2, CHUNK, 3, 4)
+    for layer in range(num_layers):
+        for s in range(n):
+            for kv_index in range(2):
+                want = kv[layer, int(order[layer, s]), kv_index]
+                assert torch.equal(chunks[layer, s // CHUNK, kv_index, s % CHUNK], want)
     inv = inverse_order(order)
     assert torch.equal(order.gather(1, inv), torch.arange(n).expand(num_layers, n))
     counts = chunk_counts(order, important, CHUNK)

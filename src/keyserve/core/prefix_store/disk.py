@@ -113,17 +113,19 @@ class DiskTier:
         flags = [False] * (num_layers * num_chunks)
         if low is not None and self.low_dtype is not None:
             flags = low.reshape(-1).tolist()
-        chunks = data.detach().to("cpu").reshape(num_layers * num_chunks, -1)
-        if any(flags):  # each chunk in its own dtype, in place: one cast per run of equal flags
-            parts = [chunks[a:b].to(self.low_dtype if f else self.dtype).reshape(-1).view(torch.uint8)
-                     for a, b, f in _flag_runs(flags)]
-            raw = torch.cat(parts).numpy()
-        else:
-            raw = chunks.to(self.dtype).contiguous().view(torch.uint8).numpy()
-        flat = memoryview(raw).cast("B")
+        chunks = data.detach().to("cpu").reshape(num_layers * num_chunks, -1)  # no copy if contiguous
         offsets = [0]
         for f in flags:
             offsets.append(offsets[-1] + (self.low_chunk_bytes if f else self.chunk_bytes))
+        if any(flags):  # each chunk in its own dtype, in place: one cast per run, into the file's bytes
+            out = torch.empty(offsets[-1], dtype=torch.uint8)
+            for a, b, f in _flag_runs(flags):
+                dtype = self.low_dtype if f else self.dtype
+                out[offsets[a] : offsets[b]].view(dtype).view(b - a, -1).copy_(chunks[a:b])
+            raw = out.numpy()
+        else:
+            raw = chunks.to(self.dtype).contiguous().view(torch.uint8).numpy()
+        flat = memoryview(raw).cast("B")
         crcs = torch.tensor(
             [zlib.crc32(flat[offsets[i] : offsets[i + 1]]) for i in range(num_layers * num_chunks)],
             dtype=torch.int64,

@@ -40,20 +40,48 @@ def inverse_order(
     return inv.scatter_(1, order, ar)
 
 
+def _flat_rows(order: torch.Tensor) -> torch.Tensor:  # [num_layers * n] int64
+    """Row ``l * n + order[l, s]`` for every (layer, storage index): the whole permutation as
+    one index into ``[num_layers * n, ...]`` rows. One ``index_select`` / ``index_copy_`` of
+    contiguous rows moves a node's KV ~1.5x faster than ``gather`` / ``scatter_`` with the
+    index expanded to every element (measured on 2k-token nodes of SmolLM2, one thread)."""
+    num_layers, n = order.shape
+    return (order + torch.arange(num_layers)[:, None] * n).reshape(-1)
+
+
 def to_storage(
     data: torch.Tensor,  # [num_layers, n, ...] in logical order
     order: torch.Tensor,  # [num_layers, n] int64
 ) -> torch.Tensor:  # [num_layers, n, ...] in storage order
-    idx = order.view(*order.shape, *([1] * (data.dim() - 2))).expand_as(data)
-    return data.gather(1, idx)
+    num_layers, n = order.shape
+    rows = data.reshape(num_layers * n, -1).index_select(0, _flat_rows(order))
+    return rows.view(data.shape)
 
 
 def to_logical(
     stored: torch.Tensor,  # [num_layers, n, ...] in storage order
     order: torch.Tensor,  # [num_layers, n] int64
 ) -> torch.Tensor:  # [num_layers, n, ...] in logical order
-    idx = order.view(*order.shape, *([1] * (stored.dim() - 2))).expand_as(stored)
-    return torch.empty_like(stored).scatter_(1, idx, stored)
+    num_layers, n = order.shape
+    out = torch.empty_like(stored)
+    out.view(num_layers * n, -1).index_copy_(0, _flat_rows(order), stored.reshape(num_layers * n, -1))
+    return out
+
+
+def storage_chunks(
+    kv: torch.Tensor,  # [num_layers, n, 2, num_kv_heads, head_dim] in logical order
+    order: torch.Tensor,  # [num_layers, n] int64, n a multiple of chunk_size
+    chunk_size: int,
+) -> torch.Tensor:  # [num_layers, n // chunk_size, 2, chunk_size, num_kv_heads, head_dim], contiguous
+    """The node's KV in storage order, laid out as its stored chunks (K rows, then V rows, of
+    each chunk): one ``index_select`` where reordering and then permuting to the chunk layout
+    copied the node twice."""
+    num_layers, n = order.shape
+    chunks = n // chunk_size
+    heads, dim = kv.shape[-2:]
+    src = _flat_rows(order).view(num_layers, chunks, 1, chunk_size) * 2 + torch.arange(2).view(1, 1, 2, 1)
+    rows = kv.reshape(num_layers * n * 2, heads * dim).index_select(0, src.reshape(-1))
+    return rows.view(num_layers, chunks, 2, chunk_size, heads, dim)
 
 
 def chunk_counts(

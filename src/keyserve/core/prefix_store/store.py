@@ -28,9 +28,9 @@ from keyserve.core.prefix_store.radix import RadixNode, RadixTree, Split
 from keyserve.core.prefix_store.repack import (
     chunk_counts,
     select_rows,
+    storage_chunks,
     storage_order,
     to_logical,
-    to_storage,
 )
 from keyserve.core.prefix_store.tiers import ChunkKey, TierIndex
 
@@ -545,7 +545,7 @@ class PrefixStore:
         if not self._make_disk_room(self.disk.node_bytes(self._low_chunks(nd)), protect):
             self.tree.remove_leaf(new)
             return 0
-        self._write(new, to_storage(kv, nd.order))
+        self._write(new, kv)
         self.stats.stored_tokens += b - a
         return b - a
 
@@ -587,13 +587,14 @@ class PrefixStore:
     def _write(
         self,
         node: RadixNode,
-        stored: torch.Tensor,  # [L, n, 2, H, D] in storage order
+        logical: torch.Tensor,  # [L, n, 2, H, D] in logical order
     ) -> None:
-        """Full copy to disk, then into the memory tiers where the chunks rank high enough."""
+        """Full copy to disk, in the node's storage order, then into the memory tiers where the
+        chunks rank high enough."""
         nd: NodeData = node.payload
-        L, n = stored.shape[:2]
+        L, n = logical.shape[:2]
         C = n // self.chunk
-        chunks = stored.view(L, C, self.chunk, 2, *stored.shape[3:]).permute(0, 1, 3, 2, 4, 5)
+        chunks = storage_chunks(logical, nd.order, self.chunk)  # [L, C, 2, chunk, H, D]
         nd.checksums = self.disk.write_node(node.node_id, chunks, self._low_chunks(nd))
         self.stats.disk_bytes_written += self.disk.sizes[node.node_id]
         for layer in range(L):
@@ -627,7 +628,7 @@ class PrefixStore:
                 assert old.scores is not None
                 nd = self._node_data(old.important[:, lo:hi], old.load_all, old.scores[..., lo:hi], freq)
             part.payload = nd
-            self._write(part, to_storage(logical[:, lo:hi], nd.order))
+            self._write(part, logical[:, lo:hi])
 
     def _upgrade(self, node: RadixNode, imp: Any, scores: torch.Tensor, read_kv: ReadKV) -> None:
         """Give a node stored without scores the importance of a prefix through it, and
@@ -639,7 +640,7 @@ class PrefixStore:
         self._forget(node)
         nd = self._node_data(imp.important[:, a:b], imp.load_all, scores[..., a:b].float().cpu(), freq)
         node.payload = nd
-        self._write(node, to_storage(kv, nd.order))
+        self._write(node, kv)
 
     # --------------------------------------------------------------- removal
     def _forget(self, node: RadixNode) -> None:
