@@ -358,6 +358,7 @@ def test_storing_waits_for_the_step_after_the_first_token(stories_path: str, tmp
 def test_corrupt_chunk_file_is_recomputed_and_counted(stories_path: str, ref: LLM, tmp_path: Path) -> None:
     llm = make(stories_path, tmp_path)
     llm.generate(STORY, greedy())
+    llm.engine.prefix_store.store.disk.drain()  # the files are written (in the background)
     files = list(Path(llm.engine.prefix_store.store.disk.root).glob("*.kv"))
     assert files
     for f in files:

@@ -159,6 +159,7 @@ def test_disk_bound_evicts_leaves(tmp_path: Path) -> None:
     assert store.disk.used_bytes <= 2 * node_bytes and store.stats.disk_evictions == 1
     assert store.load([1] * 9, 8) is None  # the least valuable went
     check_exact(store, [3] * 9, 8)
+    store.disk.drain()
     assert len(list(Path(store.disk.root).glob("*.kv"))) == 2
 
 
@@ -169,6 +170,7 @@ def test_corrupt_chunk_is_a_counted_miss(tmp_path: Path, damage: str) -> None:
     insert(store, a[:9])  # node 1: tokens 0..7
     insert(store, a)  # node 2: tokens 8..15 below it
     child = store.tree.match(a)[1].node
+    store.disk.drain()  # the files are written (in the background)
     path = store.disk.path(child.node_id)
     if damage == "flip":
         raw = bytearray(path.read_bytes())
@@ -226,6 +228,7 @@ def test_unimportant_chunks_on_disk_in_low_precision(
     assert got.scores[:, 0, [p for p in range(n) if p not in hot]].eq(0).all()
     imp = store.load(tokens, n, important_only=True, need_scores=True)
     assert imp is not None and torch.equal(imp.kv[:, :4], want[:, hot])
+    store.disk.drain()
     path = store.disk.path(node.node_id)  # a flipped byte in a low-precision chunk is caught
     raw = bytearray(path.read_bytes())
     raw[-3] ^= 0xFF
@@ -338,3 +341,80 @@ def test_deferred_promotions_settle_to_the_tiers_of_immediate_ones(tmp_path: Pat
     for key in now.tree.nodes:
         a, b = now.tree.nodes[key].payload, later.tree.nodes[key].payload
         assert a.freq == b.freq and a.tick == b.tick
+
+
+def _gate(disk: DiskTier):
+    """Hold the disk tier's writer thread until the returned event is set (a job ahead of
+    every write: what a slow disk does)."""
+    import threading
+
+    gate = threading.Event()
+    disk._writer.submit(gate.wait, 30)
+    return gate
+
+
+def test_writes_run_in_the_background_and_reads_wait_for_them(tmp_path: Path) -> None:
+    """``DiskTier`` writes files on its own thread: ``write_node`` returns with the node
+    accounted for but not on disk yet; a read waits for the write and gets the exact data;
+    a node deleted before its write started never reaches the disk."""
+    import threading
+
+    disk = DiskTier(str(tmp_path), 1 << 30, SHAPE, torch.float32)
+    gate = _gate(disk)
+    data = torch.randn(L, 3, *SHAPE)
+    crcs = disk.write_node(1, data)
+    assert disk.used_bytes == data.numel() * 4 and not disk.path(1).exists()
+    disk.write_node(2, torch.randn(L, 3, *SHAPE))
+    queued = disk._pending[2]
+    disk.delete(2)  # still queued behind the gate: cancelled, not waited for
+    assert queued.cancelled() and 2 not in disk.sizes
+    threading.Timer(0.2, gate.set).start()
+    got, nbytes = disk.read_chunks(1, 1, 3, [0, 2], crcs)  # waits for the write
+    assert torch.equal(got, data[1, [0, 2]]) and nbytes == 2 * disk.chunk_bytes
+    disk.drain()
+    assert sorted(p.name for p in Path(disk.root).iterdir()) == ["1.kv"] and disk.sizes == {1: data.numel() * 4}
+    disk.close()
+    assert not Path(disk.root).exists()
+
+
+def test_a_failed_background_write_is_a_counted_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails on the writer thread (a full disk: faked, it cannot be caused here)
+    is found by the first read of its node: ``CorruptChunk``, so the store drops the node,
+    counts it and recomputes; the next insert stores it again."""
+    import errno
+
+    import keyserve.core.prefix_store.disk as disk_module
+
+    store = make_store(tmp_path)
+    real_replace = disk_module.os.replace
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_module.os, "replace", full)
+    tokens = list(range(1, 10))
+    assert insert(store, tokens) == 8
+    store.disk.drain()
+    assert store.load(tokens, 8) is None and store.stats.corrupt_chunks == 1
+    assert not list(Path(store.disk.root).iterdir())  # the temporary file went too
+    monkeypatch.setattr(disk_module.os, "replace", real_replace)
+    assert insert(store, tokens) == 8
+    check_exact(store, tokens, 8)
+
+
+def test_pending_writes_are_bounded(tmp_path: Path) -> None:
+    """At most ``MAX_PENDING_WRITES`` nodes' bytes wait in memory for the writer: one more
+    write waits for the oldest."""
+    import threading
+
+    from keyserve.core.prefix_store.disk import MAX_PENDING_WRITES
+
+    disk = DiskTier(str(tmp_path), 1 << 30, SHAPE, torch.float32)
+    gate = _gate(disk)
+    for node_id in range(MAX_PENDING_WRITES):
+        disk.write_node(node_id, torch.randn(L, 1, *SHAPE))
+    assert len(disk._pending) == MAX_PENDING_WRITES
+    threading.Timer(0.2, gate.set).start()
+    disk.write_node(99, torch.randn(L, 1, *SHAPE))  # waits for node 0's write
+    assert disk.path(0).exists() and len(disk._pending) <= MAX_PENDING_WRITES
+    disk.close()

@@ -13,18 +13,33 @@ a chunk whose bytes do not match, or a missing file, raises ``CorruptChunk`` and
 ``cold_reads`` makes every read come from the device, not the page cache: files are synced when
 written and dropped from the cache (``posix_fadvise(DONTNEED)``) before each read. That is what
 a store larger than memory pays, and what a benchmark of the disk tier must measure.
+
+Files are written by one background thread (``background_writes``): the caller lays the bytes
+out and checksums them, and the write itself (~66 ms for a 100 MB node on the 2-core EPYC, more
+with ``cold_reads``' sync) overlaps the engine's next step instead of delaying it. The thread
+runs no torch code (so it starts no OpenMP pool of its own). A node is accounted for at once; a
+read or delete of a node still being written waits for its write, and a write that failed makes
+the node's reads raise ``CorruptChunk`` (the store drops such a node, as for a corrupt file).
+At most ``MAX_PENDING_WRITES`` writes wait at a time (each holds its node's bytes in memory).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
 import weakref
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING_WRITES = 2
 
 
 class CorruptChunk(Exception):
@@ -66,6 +81,7 @@ class DiskTier:
         dtype: torch.dtype,
         cold_reads: bool = False,
         low_dtype: torch.dtype | None = None,
+        background_writes: bool = True,
     ) -> None:
         if parent is not None:
             Path(parent).mkdir(parents=True, exist_ok=True)
@@ -84,7 +100,10 @@ class DiskTier:
         # low-precision flags)
         self.layouts: dict[int, tuple[list[int], list[bool]]] = {}
         self.bytes_written = 0
-        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.root), True)
+        self._writer = ThreadPoolExecutor(1, "keyserve-disk-writer") if background_writes else None
+        self._pending: dict[int, Future] = {}  # node_id -> its write, until read, deleted or drained
+        self._failed: dict[int, str] = {}  # node_id -> why its write failed
+        self._cleanup = weakref.finalize(self, _remove_dir, self._writer, str(self.root))
 
     @property
     def sizes(self) -> dict[int, int]:
@@ -130,21 +149,35 @@ class DiskTier:
             [zlib.crc32(flat[offsets[i] : offsets[i + 1]]) for i in range(num_layers * num_chunks)],
             dtype=torch.int64,
         ).view(num_layers, num_chunks)
-        final = self.path(node_id)
-        fd, tmp = tempfile.mkstemp(prefix=f".{node_id}.", suffix=".tmp", dir=self.root)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(flat)
-                if self.cold_reads:  # clean pages only can be dropped before a read
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)  # atomic: readers see no file or the whole file
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        self._wait(node_id)  # a node written again (never in the store: its ids are fresh)
+        self._failed.pop(node_id, None)
+        if self._writer is None:
+            _write_file(self.path(node_id), flat, self.cold_reads)
+        else:
+            while len(self._pending) >= MAX_PENDING_WRITES:
+                self._wait(next(iter(self._pending)))
+            # ``raw`` (and what it views) stays alive with the job until the write is done
+            self._pending[node_id] = self._writer.submit(_write_file, self.path(node_id), flat, self.cold_reads)
         self.layouts[node_id] = (offsets, flags)
         self.bytes_written += len(flat)
         return crcs
+
+    def _wait(self, node_id: int) -> None:
+        """Wait for ``node_id``'s write, if one is pending; a failure is remembered (its reads
+        raise ``CorruptChunk``)."""
+        job = self._pending.pop(node_id, None)
+        if job is None:
+            return
+        try:
+            job.result()
+        except Exception as e:  # noqa: BLE001 — the node reads as corrupt; the store drops it
+            log.warning("prefix store: writing node %d to disk failed: %s", node_id, e)
+            self._failed[node_id] = f"its write failed: {e}"
+
+    def drain(self) -> None:
+        """Wait for every pending write."""
+        for node_id in list(self._pending):
+            self._wait(node_id)
 
     def read_chunks(
         self,
@@ -156,8 +189,11 @@ class DiskTier:
     ) -> tuple[torch.Tensor, int]:  # [len(chunk_ids), 2, chunk_size, num_kv_heads, head_dim], bytes read
         """Read the given chunks of one layer (one ``pread`` per run of consecutive chunks), in
         the cache dtype, and the bytes that took."""
+        self._wait(node_id)
         if node_id not in self.layouts:
             raise CorruptChunk(node_id, layer, chunk_ids[0] if chunk_ids else -1, "not on disk")
+        if node_id in self._failed:
+            raise CorruptChunk(node_id, layer, chunk_ids[0] if chunk_ids else -1, self._failed[node_id])
         offsets, flags = self.layouts[node_id]
         base = layer * num_chunks
         spans = [(offsets[base + c], offsets[base + c + 1]) for c in chunk_ids]
@@ -198,9 +234,37 @@ class DiskTier:
         return out, len(buf)
 
     def delete(self, node_id: int) -> None:
+        job = self._pending.get(node_id)
+        if job is not None and job.cancel():  # not started: nothing reaches the disk
+            del self._pending[node_id]
+        self._wait(node_id)
+        self._failed.pop(node_id, None)
         self.layouts.pop(node_id, None)
         self.path(node_id).unlink(missing_ok=True)
 
     def close(self) -> None:
+        self._pending.clear()
         self.layouts.clear()
-        self._cleanup()  # removes the directory (once)
+        self._cleanup()  # waits for the writer, removes the directory (once)
+
+
+def _write_file(final: Path, data: memoryview, sync: bool) -> None:
+    """Write ``data`` to ``final`` atomically (a temporary name, then a rename): readers see no
+    file or the whole file. ``sync``: to the device, so its pages can be dropped before reads."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.stem}.", suffix=".tmp", dir=final.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _remove_dir(writer: ThreadPoolExecutor | None, root: str) -> None:
+    if writer is not None:
+        writer.shutdown(wait=True, cancel_futures=True)
+    shutil.rmtree(root, True)
