@@ -52,7 +52,7 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         engine = self.engine
-        encoded = [engine.encode_prompt(p, chat) if not (isinstance(p, str) and not p.strip()) else []
+        encoded = [engine.encode_prompt(p, chat) if not (isinstance(p, str) and not p) else []
                    for p in prompts]
         for i, ids in enumerate(encoded):  # validate everything before queueing anything
             if not ids:

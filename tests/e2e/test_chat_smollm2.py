@@ -75,6 +75,18 @@ def test_chat_logprobs(server: LiveServer) -> None:
     assert "".join(e.token for e in entries).strip() == out.choices[0].message.content.strip()
 
 
+def test_streamed_chat_logprobs_are_the_non_streamed_ones(server: LiveServer) -> None:
+    """With a long stop string the text that could start it is held back; the logprobs of its
+    tokens go out with the next chunk, none lost."""
+    kwargs = dict(model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=24, temperature=0,
+                  logprobs=True, stop=["xyzxyzxyz"], extra_body={"ignore_eos": True})
+    client = server.client()
+    full = [(e.token, e.logprob) for e in client.chat.completions.create(**kwargs).choices[0].logprobs.content]
+    streamed = [(e.token, e.logprob) for chunk in client.chat.completions.create(**kwargs, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert len(full) == 24 and streamed == full
+
+
 def test_chat_longer_than_the_context(server: LiveServer) -> None:
     body = {"messages": [{"role": "user", "content": "cats and dogs " * 600}]}
     r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)

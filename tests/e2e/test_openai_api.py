@@ -104,6 +104,25 @@ def test_logprobs(server: LiveServer, model: str) -> None:
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_streamed_logprobs_are_the_non_streamed_ones(server: LiveServer, model: str) -> None:
+    """Every token's logprob in exactly one chunk, with the non-streamed text offsets, also when
+    a chunk's text is held back: a long stop string (the text that could start it waits) and
+    sampled byte tokens (a character split over tokens shows no text until it is whole)."""
+    client = server.client()
+    for extra in (dict(temperature=0, stop=["zzzzzzzzzz"]), dict(temperature=100.0, seed=0)):
+        kwargs = dict(model=model, prompt=PROMPT, max_tokens=40, logprobs=0, **extra)
+        full = client.completions.create(**kwargs).choices[0].logprobs
+        tokens, lps, offsets = [], [], []
+        for chunk in client.completions.create(**kwargs, stream=True):
+            lp = chunk.choices[0].logprobs if chunk.choices else None
+            if lp is not None:
+                tokens += lp.tokens
+                lps += lp.token_logprobs
+                offsets += lp.text_offset
+        assert len(full.tokens) == 40
+        assert (tokens, lps, offsets) == (full.tokens, full.token_logprobs, full.text_offset), extra
+
+
 def test_keyserve_extensions(server: LiveServer, model: str) -> None:
     client = server.client()
     extra = {"top_k": 5, "min_p": 0.05, "kv_policy": "h2o", "kv_budget": 0.5, "recent_ratio": 0.5,

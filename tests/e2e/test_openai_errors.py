@@ -72,7 +72,27 @@ def test_bad_chat_field_names_it(server: LiveServer, field: str, value) -> None:
 def test_missing_prompt(server: LiveServer) -> None:
     assert envelope(post(server, "/completions", {"max_tokens": 3}), 400)["param"] == "prompt"
     assert envelope(post(server, "/completions", {"prompt": []}), 400)["param"] == "prompt"
-    assert envelope(post(server, "/completions", {"prompt": "   "}), 400)["param"] == "prompt"
+    assert envelope(post(server, "/completions", {"prompt": ""}), 400)["param"] == "prompt"
+    assert envelope(post(server, "/completions", {"prompt": ["hi", ""]}), 400)["param"] == "prompt"
+
+
+def test_whitespace_is_a_prompt(server: LiveServer) -> None:
+    """Spaces and newlines are text with tokens, as in OpenAI's API and vLLM."""
+    for prompt in (" ", "\n", ["hi", "  "]):
+        r = post(server, "/completions", {"prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] >= 1
+
+
+def test_stream_options_need_a_stream(server: LiveServer) -> None:
+    body = {"prompt": "Once", "max_tokens": 2, "stream_options": {"include_usage": True}}
+    assert envelope(post(server, "/completions", body), 400)["param"] == "stream_options"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}
+    assert envelope(post(server, "/chat/completions", chat), 400)["param"] == "stream_options"
+
+
+def test_health_answers_head(server: LiveServer) -> None:
+    assert httpx.head(server.url + "/health").status_code == 200
 
 
 def test_prompt_longer_than_the_context_states_both_lengths(server: LiveServer) -> None:
@@ -102,6 +122,27 @@ def test_speculative_without_a_draft(server: LiveServer) -> None:
 def test_chat_on_a_model_without_chat_template(server: LiveServer) -> None:
     err = envelope(post(server, "/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}), 400)
     assert err["param"] == "messages" and "chat template" in err["message"]
+
+
+def test_a_chat_template_that_refuses_the_messages_is_400(server: LiveServer) -> None:
+    """Many real templates check the conversation themselves (Llama 2 and Mistral raise "roles
+    must alternate"): that is the client's input, not a server error."""
+    tokenizer = server.serving.engine.engine.tokenizer
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}")
+    try:
+        twice = {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}],
+                 "max_tokens": 2}
+        for stream in (False, True):
+            err = envelope(post(server, "/chat/completions", {**twice, "stream": stream}), 400)
+            assert err["param"] == "messages" and "roles must alternate" in err["message"]
+        ok = post(server, "/chat/completions", {"messages": twice["messages"][:1], "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+    finally:
+        tokenizer.chat_template = None
+    assert server.metrics().get("keyserve:request_rejected_total{500}", 0) == 0
 
 
 def test_unknown_model_is_404(server: LiveServer) -> None:
@@ -191,6 +232,24 @@ def test_timeout_while_streaming_ends_the_stream_with_an_error_event(server: Liv
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
     assert '"request_timeout"' in events[-2] and '"error"' in events[-2]
+    server.wait_idle(timeout=10)
+
+
+def test_a_timeout_of_several_prompts_is_408_too(server: LiveServer) -> None:
+    """Several prompts in one request are several engine requests merged into one response:
+    their timeout is the same 408 (not a 500 from closing a stream a pump was still reading),
+    streamed or not, and nothing is logged as an unexpected error."""
+    server.wait_idle()
+    body = {"prompt": ["Once upon a time", "Tim"], "max_tokens": 500, "ignore_eos": True}
+    errors_before = server.metrics().get("keyserve:request_rejected_total{500}", 0)
+    with slow_steps(server):
+        err = envelope(post(server, "/completions", body), 408)
+        assert err["code"] == "request_timeout"
+        with httpx.stream("POST", server.base_url + "/completions", json={**body, "stream": True},
+                          headers=AUTH, timeout=60) as r:
+            events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and '"request_timeout"' in events[-2]
+    assert server.metrics().get("keyserve:request_rejected_total{500}", 0) == errors_before
     server.wait_idle(timeout=10)
 
 

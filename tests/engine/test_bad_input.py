@@ -18,7 +18,9 @@ def test_empty_prompt(llm: LLM) -> None:
     with pytest.raises(ValueError, match="empty"):
         llm.generate("", SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="empty"):
-        llm.engine.add_request("   ")
+        llm.engine.add_request("")
+    [spaces] = llm.generate("   ", SamplingParams(max_tokens=2))  # whitespace is text: it has tokens
+    assert spaces.prompt_token_ids and len(spaces.outputs[0].token_ids) <= 2
 
 
 def test_prompt_longer_than_context(llm: LLM) -> None:

@@ -74,7 +74,7 @@ def create_app(serving: OpenAIServing) -> FastAPI:
                               "/v1/chat/completions": ChatCompletionRequest})
     _install_docs(app, auth if serving.config.api_key is not None else [])
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what load balancers often probe with
     async def health() -> Response:
         engine = serving.engine
         if engine.is_ready:

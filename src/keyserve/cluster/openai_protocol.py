@@ -95,6 +95,8 @@ class _SamplingFields(_Request):
             bad.append(("frequency_penalty", "frequency_penalty is not supported (only 0)"))
         if self.logit_bias:
             bad.append(("logit_bias", "logit_bias is not supported"))
+        if self.stream_options is not None and not self.stream:
+            bad.append(("stream_options", "stream_options is only allowed when stream is true"))
         return bad
 
     def _params(self, max_tokens: int, logprobs: bool) -> SamplingParams:

@@ -62,27 +62,34 @@ def _finish(reason: str | None) -> Literal["stop", "length"] | None:
 
 @dataclass
 class _Tracker:
-    """What one choice has already sent; holds back a possible stop-string prefix."""
+    """What one choice has already sent; holds back a possible stop-string prefix. A token
+    counts as sent (its logprob with it) only once a chunk carries it: a chunk held back whole
+    (its text could start a stop string, or its bytes are not yet a character) passes its
+    tokens on to the next one sent."""
 
     holdback: int
     sent_chars: int = 0
     sent_tokens: int = 0
+    token_chars: int = 0  # text_offset of the next token: the echo plus earlier tokens' text
     started: bool = False
     done: bool = False
 
     def advance(self, o: CompletionOutput) -> tuple[str, int, list[float] | None, str | None]:
-        """(new text, index of the first new token, their logprobs, finish reason if new)."""
+        """(new text, index of the first token not sent yet, their logprobs, finish reason if
+        new). Call ``sent`` once a chunk carries them."""
         end = len(o.text) if o.finish_reason else max(self.sent_chars, len(o.text) - self.holdback)
         delta = o.text[self.sent_chars:end]
         self.sent_chars = max(self.sent_chars, end)
         start = self.sent_tokens
         lps = o.logprobs[start:] if o.logprobs is not None else None
-        self.sent_tokens = len(o.token_ids)
         finish = None
         if o.finish_reason and not self.done:
             self.done = True
             finish = o.finish_reason
         return delta, start, lps, finish
+
+    def sent(self, o: CompletionOutput) -> None:
+        self.sent_tokens = len(o.token_ids)
 
 
 def ray_engine_wanted(config: EngineConfig) -> bool:
@@ -278,7 +285,8 @@ class OpenAIServing:
                             id=rid, created=created, model=self.model_name, **usage_field,
                             choices=[ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]))
                     if not delta and not finish:
-                        continue
+                        continue  # its tokens go out with the next chunk
+                    t.sent(o)
                     logprobs = self._chat_logprobs(o.token_ids, start, lps) if req.logprobs and new_tokens else None
                     yield sse(ChatCompletionChunk(
                         id=rid, created=created, model=self.model_name, **usage_field,
@@ -286,10 +294,14 @@ class OpenAIServing:
                                                  logprobs=logprobs, finish_reason=_finish(finish))]))
                 else:
                     prefix = self._echo(req, out) if first else ""
+                    t.token_chars += len(prefix)
                     if not (delta or finish or prefix):
-                        continue
-                    logprobs = (self._completion_logprobs(o.token_ids, start, lps, t.sent_chars - len(delta) + len(prefix))
-                                if lps is not None and new_tokens else None)
+                        continue  # its tokens go out with the next chunk
+                    t.sent(o)
+                    logprobs = None
+                    if lps is not None and new_tokens:
+                        logprobs = self._completion_logprobs(o.token_ids, start, lps, t.token_chars)
+                        t.token_chars = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                     yield sse(CompletionResponse(
                         id=rid, created=created, model=self.model_name, **usage_field,
                         choices=[CompletionChoice(index=index, text=prefix + delta, logprobs=logprobs,
@@ -390,8 +402,12 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             else:
                 yield i, item
     finally:
+        # A pump may be inside its stream's ``__anext__``: wait until every pump has stopped,
+        # or closing that stream raises ("already running") in place of the error that got
+        # here (a timeout, a failed request) or on a client's disconnect.
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for s in streams:
             await s.aclose()
 

@@ -280,7 +280,7 @@ class AsyncLLMEngine:
         elif prompt_token_ids is not None:
             ids = list(prompt_token_ids)
         elif isinstance(prompt, str):
-            if not prompt.strip():
+            if not prompt:  # whitespace is text (it has tokens), as for OpenAI's API
                 raise ValueError("prompt is empty")
             ids = await self._tokenize(engine.encode_prompt, prompt, chat)
         elif prompt is not None:

@@ -141,7 +141,12 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
+        try:
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except TemplateError as e:  # the template's own check (e.g. "roles must alternate"): the caller's input
+            raise ValueError(f"the model's chat template refused these messages: {e}") from e
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return list(out)
@@ -169,7 +174,7 @@ class LLMEngine:
                         "ignore_eos": True, "stop": [], "stop_token_ids": []}
             )
         params = admit_params(params, self.limits)
-        if isinstance(prompt, str) and not prompt.strip() and not prompt_token_ids:
+        if isinstance(prompt, str) and not prompt and not prompt_token_ids:  # whitespace has tokens
             raise ValueError("prompt is empty")
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt, chat)
         if not token_ids:
