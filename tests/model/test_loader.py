@@ -138,3 +138,65 @@ def test_conversion_refusals(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     (tmp_path / "half").mkdir()
     with pytest.raises(FileExistsError, match="not a finished keyserve conversion"):
         gguf_convert.convert_gguf(tmp_path / "m.gguf", tmp_path / "half")
+
+
+def _edit_config(directory: Path, **changes) -> None:
+    path = directory / "config.json"
+    cfg = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is _DROP:
+            cfg.pop(key)
+        else:
+            cfg[key] = value
+    path.write_text(json.dumps(cfg))
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(hidden_size=_DROP), r"config\.json: 'hidden_size' is missing"),
+    (dict(num_hidden_layers="five"), r"config\.json: 'num_hidden_layers' must be a positive integer, not 'five'"),
+    (dict(num_attention_heads=0), r"'num_attention_heads' must be a positive integer, not 0"),
+    (dict(vocab_size=-3), r"'vocab_size' must be a positive integer"),
+    (dict(intermediate_size=True), r"'intermediate_size' must be a positive integer, not True"),
+    (dict(num_key_value_heads=2.5), r"'num_key_value_heads' must be a positive integer, not 2\.5"),
+])
+def test_a_broken_config_names_the_file_and_the_field(stories_copy: Path, changes: dict, message: str) -> None:
+    """Operator input: a hand-edited or half-downloaded config.json is a ValueError naming the
+    file and the field, not a KeyError or a division by zero from deep inside."""
+    _edit_config(stories_copy, **changes)
+    with pytest.raises(ValueError, match=message):
+        load_model(stories_copy)
+
+
+def test_config_that_is_not_json(stories_copy: Path) -> None:
+    (stories_copy / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        load_model(stories_copy)
+    (stories_copy / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        load_model(stories_copy)
+
+
+@pytest.mark.parametrize("cut", [1000, "half"])
+def test_a_truncated_weights_file_is_named(stories_copy: Path, cut) -> None:
+    weights = stories_copy / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes(raw[: len(raw) // 2 if cut == "half" else cut])
+    with pytest.raises(ValueError, match=r"cannot read the weights file .*model\.safetensors.*truncated or corrupt"):
+        load_model(stories_copy)
+
+
+def test_weights_that_do_not_fit_the_config(stories_copy: Path) -> None:
+    _edit_config(stories_copy, hidden_size=128)
+    with pytest.raises(ValueError, match=r"weight 'model\.embed_tokens\.weight' has shape \(512, 64\), which does "
+                                         r"not fit the model config\.json describes \(hidden_size 128"):
+        load_model(stories_copy)
+
+
+def test_a_directory_without_a_tokenizer(stories_copy: Path) -> None:
+    for f in stories_copy.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(ValueError, match="cannot load the tokenizer of .*tokenizer.json"):
+        load_model(stories_copy)

@@ -43,7 +43,7 @@ from keyserve.model.config import ModelConfig
 from keyserve.model.draft_model import load_draft
 from keyserve.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from keyserve.model.llama import LlamaForCausalLM
-from keyserve.model.loader import LoadedModel, load_model, resolve_model_dir
+from keyserve.model.loader import LoadedModel, load_model, load_tokenizer, resolve_model_dir
 from keyserve.model.parallel import VocabParallelHead, dist_all_reduce
 from keyserve.model.weights import iter_safetensors
 
@@ -187,25 +187,21 @@ def build_runner(
 def load_target_meta(model: str | None) -> tuple[Path, ModelConfig, Any]:
     """A target's directory, architecture and tokenizer, without its weights (the Ray
     engine's front holds no model; the shards load it)."""
-    from transformers import AutoTokenizer
-
     model_dir = resolve_model_dir(model, progress=False)
-    return model_dir, ModelConfig.from_file(model_dir / "config.json"), AutoTokenizer.from_pretrained(str(model_dir))
+    return model_dir, ModelConfig.from_file(model_dir / "config.json"), load_tokenizer(model_dir)
 
 
 # ------------------------------------------------------------------------ drafter
 def draft_target(target_dir: str | Path, dtype: torch.dtype, device: torch.device) -> Any:
     """What ``load_draft`` reads from the target -- config, tokenizer, input embeddings --
     without loading the whole target (the draft actor may sit on another node)."""
-    from transformers import AutoTokenizer
-
     path = Path(target_dir)
     embed = next(t for name, t in iter_safetensors(path) if name == "model.embed_tokens.weight")
     weight = embed.to(device, dtype)
     return SimpleNamespace(
         model=SimpleNamespace(model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight)), dtype=dtype),
         config=ModelConfig.from_file(path / "config.json"),
-        tokenizer=AutoTokenizer.from_pretrained(str(path)),
+        tokenizer=load_tokenizer(path),
         path=path,
         generation_config={},
     )

@@ -94,8 +94,34 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
+        """Parse a Hugging Face ``config.json``; anything wrong in it is a ValueError naming
+        the file and the field."""
         with open(path, encoding="utf-8") as f:
-            return _parse(json.load(f))
+            try:
+                cfg = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{path} must hold a JSON object, not {type(cfg).__name__}")
+        try:
+            return _parse(cfg)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
+
+
+def _positive(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """``cfg[key]`` as a positive int (``default`` when absent or null); a ValueError naming the
+    field otherwise (a raw KeyError or a division by zero further on names nothing)."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise ValueError(f"{key!r} is missing (a Llama-family config needs it)")
+        if default < 1:
+            raise ValueError(f"{key!r} is missing and its default ({default}) is not positive")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+        raise ValueError(f"{key!r} must be a positive integer, not {value!r}")
+    return int(value)
 
 
 def _parse(cfg: dict[str, Any]) -> ModelConfig:
@@ -115,16 +141,16 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
     if cfg.get("pretraining_tp", 1) not in (1, None):
         raise ValueError("pretraining_tp > 1 (split-matmul Llama 2 variant) is not supported")
 
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    hidden = _positive(cfg, "hidden_size")
+    heads = _positive(cfg, "num_attention_heads")
+    kv_heads = _positive(cfg, "num_key_value_heads", heads)
+    head_dim = _positive(cfg, "head_dim", hidden // heads)
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
-    num_layers = int(cfg["num_hidden_layers"])
-    max_pos = int(cfg.get("max_position_embeddings") or 2048)
+    num_layers = _positive(cfg, "num_hidden_layers")
+    max_pos = _positive(cfg, "max_position_embeddings", 2048)
 
     attention_bias = bool(cfg.get("attention_bias", False))
     qkv_bias, o_bias = attention_bias, attention_bias
@@ -137,9 +163,9 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
     dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
     return ModelConfig(
         model_type=model_type,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=_positive(cfg, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
+        intermediate_size=_positive(cfg, "intermediate_size"),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,

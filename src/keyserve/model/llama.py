@@ -316,7 +316,21 @@ class LlamaForCausalLM(nn.Module):
     _GATE_UP = {"mlp.gate_proj": 0, "mlp.up_proj": 1}
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> str | None:
-        """Load one HF tensor; returns a key naming what it filled (for the missing check)."""
+        """Load one HF tensor; returns a key naming what it filled (for the missing check). A
+        tensor whose shape does not fit the model its config describes names itself (torch's
+        own message names neither the weight nor the file)."""
+        try:
+            return self._load_tensor(name, tensor)
+        except RuntimeError as e:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, which does not fit the model "
+                f"config.json describes (hidden_size {self.config.hidden_size}, "
+                f"{self.config.num_attention_heads} heads of {self.config.head_dim}, "
+                f"{self.config.num_key_value_heads} kv heads, intermediate_size "
+                f"{self.config.intermediate_size}, vocab_size {self.config.vocab_size}): {e}"
+            ) from e
+
+    def _load_tensor(self, name: str, tensor: torch.Tensor) -> str | None:
         if name.endswith("rotary_emb.inv_freq"):
             return None  # old checkpoints store the RoPE buffer; we recompute it
         m = self.model

@@ -72,6 +72,21 @@ def resolve_model_dir(model: str | Path | None, progress: bool = True) -> Path:
     raise FileNotFoundError(f"model {str(model)!r} not found: no such path {path}; expected {EXPECTED}")
 
 
+def load_tokenizer(directory: str | Path) -> Any:
+    """The model directory's tokenizer; a directory without a usable one is a ValueError that
+    names it and what it needs (transformers' own message lists its internal fallbacks)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"cannot load the tokenizer of {directory}: it needs tokenizer.json (or tokenizer.model) "
+            f"and tokenizer_config.json from the model's repository ({first})"
+        ) from e
+
+
 def load_model(
     model: str | Path | None,
     dtype: torch.dtype = torch.float32,
@@ -82,14 +97,12 @@ def load_model(
     progress: bool = True,
 ) -> LoadedModel:
     """Load weights (this rank's shard when ``tp_size > 1``), config and tokenizer."""
-    from transformers import AutoTokenizer
-
     directory = resolve_model_dir(model, progress)
     config = ModelConfig.from_file(directory / "config.json")
+    tokenizer = load_tokenizer(directory)  # before the weights: a missing one fails at once
     net = LlamaForCausalLM(config, dtype, device, tp_rank, tp_size, all_reduce)
     net.load_weights(iter_safetensors(directory))
     net.eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(directory))
     generation_config: dict[str, Any] = {}
     gen_path = directory / "generation_config.json"
     if gen_path.is_file():

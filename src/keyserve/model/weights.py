@@ -51,6 +51,11 @@ def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
             refuse_pickle(directory)
         raise FileNotFoundError(f"no *.safetensors weights in {directory}")
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        try:
+            f = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:  # safetensors' own error type names neither the file nor why
+            raise ValueError(f"cannot read the weights file {file}: {e} (a truncated or corrupt "
+                             "download? its size is {:,} bytes)".format(file.stat().st_size)) from e
+        with f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
