@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from keyserve import LLM, SamplingParams
@@ -79,3 +80,9 @@ def test_abort_frees_blocks(llm: LLM) -> None:
     assert out is not None and out.finish_reason == "abort"
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+def test_cuda_without_cuda_is_a_clear_error(stories_path: str) -> None:
+    with pytest.raises(ValueError, match="device 'cuda' was asked for, but this process has"):
+        LLM(stories_path, device="cuda", num_blocks=16)

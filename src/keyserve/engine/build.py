@@ -62,6 +62,10 @@ def resolve_device(name: str) -> torch.device:
     """``"auto"`` is CUDA when this process sees a GPU, else the CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        why = "a CPU build of torch" if torch.version.cuda is None else "no GPU visible to this process"
+        raise ValueError(f"device 'cuda' was asked for, but this process has {why}; "
+                         "use device 'cpu' or 'auto'")
     return torch.device(name)
 
 
