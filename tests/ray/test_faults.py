@@ -120,6 +120,8 @@ def test_target_shard_killed(engine: RayEngine, reference: LLM) -> None:
     group = engine.group
     got = _run(engine, prompts, params, lambda: ray.kill(group.workers[1]))
     assert group.num_restarts == 1
+    # the driver's own step channels to the shards: only where it calls them, after a restart too
+    assert bool(group.channels) == (not engine.compiled_graph and not engine.relayed)
     _check(engine, reference, prompts, params, got)
 
 

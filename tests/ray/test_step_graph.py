@@ -123,6 +123,7 @@ def test_compiled_graph_equals_plain_actors_and_in_process(stories_path: str, dr
         engine.core_client.actor = _NoRayCall(engine.core_client.actor, "step")
         relayed = relay_llm.generate(prompts, params)
         assert engine.num_steps > 20 and engine.num_graph_compiles == 0
+        assert not engine.group.channels  # the driver's own step channels to the shards: closed
         assert engine._graph is not None and engine._graph.has_draft
         assert engine.speculative.stats.num_draft_tokens > 0
     with RayLLM(stories_path, compiled_graph=True, **opts) as llm:

@@ -88,6 +88,8 @@ class RayEngine(LLMEngine):
             par.tensor_parallel_size, par.worker_threads, self.drafter_client is not None)
         # Without the compiled graph, the step channels relay the step the graph's way.
         self.relayed = not self.compiled_graph and par.step_channels and par.step_relay
+        if (self.compiled_graph or self.relayed) and self.group is not None:
+            self.group.drop_channels()  # every step goes through the graph
         if self.compiled_graph:
             self._idle_reaper = threading.Thread(target=self._release_when_idle, daemon=True,
                                                  name="keyserve-graph-idle")

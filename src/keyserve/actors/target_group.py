@@ -52,6 +52,9 @@ class TargetGroup:
             ) from None
         self.workers: list = []
         self.channels: list[ChannelClient] = []  # one per shard (ParallelConfig.step_channels)
+        # The driver's own calls to the shards (``execute``); a graph path sends every step its
+        # own way and turns them off (``drop_channels``), so no shard keeps an idle socket.
+        self.wants_channels = parallel.step_channels
         self.weight_bytes = 0
         self._ops: list[RunnerOp] = []
         self.num_restarts = 0
@@ -75,7 +78,7 @@ class TargetGroup:
         try:
             host, port = ray.get(self.workers[0].master_address.remote())
             self.weight_bytes = sum(ray.get([w.setup.remote(host, port) for w in self.workers]))
-            if p.step_channels:
+            if self.wants_channels:
                 self.channels = open_channels(self.workers)
         except BaseException:
             self._kill()
@@ -136,6 +139,14 @@ class TargetGroup:
         if isinstance(error, (ChannelClosed, *ACTOR_LOST)) or not alive(self.workers):
             return ShardLost(f"a target shard died: {error}")
         return None
+
+    def drop_channels(self) -> None:
+        """Close the driver's step channels to the shards, now and after any restart (the
+        engine runs every step through a graph; ``execute`` then goes by Ray call)."""
+        self.wants_channels = False
+        for channel in self.channels:
+            channel.close()
+        self.channels = []
 
     # ------------------------------------------------------------- lifecycle
     def restart(self) -> None:
