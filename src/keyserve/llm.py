@@ -45,8 +45,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or chat user messages with ``chat``);
         one RequestOutput per prompt, in order. Invalid input raises before anything runs."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        _check_prompts(prompts)
         if not isinstance(sampling_params, Seq):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -62,10 +63,14 @@ class LLM:
                     f"prompt {i} has {len(ids)} tokens but the model's context is "
                     f"{engine.max_model_len} tokens (at least one must remain for generation)"
                 )
-        ids = [
-            engine.add_request(p, sp, prompt_token_ids=tok)
-            for p, sp, tok in zip(prompts, sampling_params, encoded)
-        ]
+        ids: list[str] = []
+        try:
+            for p, sp, tok in zip(prompts, sampling_params, encoded):
+                ids.append(engine.add_request(p, sp, prompt_token_ids=tok))
+        except BaseException:  # a later prompt's parameters or ids: none of them runs
+            for rid in ids:
+                engine.abort(rid)
+            raise
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         try:
@@ -88,7 +93,12 @@ class LLM:
         sampling_params: SamplingParams | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations (lists of ``{"role", "content"}``)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, Seq) or isinstance(messages, str) or not messages:
+            raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) "
+                             "or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        for i, conversation in enumerate(conversations):
+            _check_conversation(conversation, i)
         token_lists = [self.engine.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
         return self.generate(token_lists, sampling_params)
 
@@ -131,3 +141,31 @@ class RayLLM(LLM):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _check_prompts(prompts: object) -> None:
+    """Each prompt is text or a list of token ids (ints): a ValueError naming the one that is
+    not, rather than a TypeError from the tokenizer."""
+    if not isinstance(prompts, Seq) or isinstance(prompts, str):
+        raise ValueError(f"prompts must be text, token ids, or a list of either, not {type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            continue
+        if isinstance(p, Seq) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            continue
+        raise ValueError(f"prompt {i} must be text or a list of token ids (ints), not {p!r:.80}")
+
+
+def _check_conversation(conversation: object, index: int) -> None:
+    """A conversation is a non-empty list of ``{"role": str, "content": str | None}`` dicts."""
+    where = f"conversation {index}"
+    if not isinstance(conversation, Seq) or isinstance(conversation, str) or not conversation:
+        raise ValueError(f"{where} must be a non-empty list of {{'role', 'content'}} dicts, not {conversation!r:.80}")
+    for j, message in enumerate(conversation):
+        if not isinstance(message, dict):
+            raise ValueError(f"{where}, message {j} must be a dict with 'role' and 'content', not {message!r:.80}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"{where}, message {j}: 'role' must be a string")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):
+            raise ValueError(f"{where}, message {j}: 'content' must be a string, not {type(content).__name__}")

@@ -86,3 +86,51 @@ def test_abort_frees_blocks(llm: LLM) -> None:
 def test_cuda_without_cuda_is_a_clear_error(stories_path: str) -> None:
     with pytest.raises(ValueError, match="device 'cuda' was asked for, but this process has"):
         LLM(stories_path, device="cuda", num_blocks=16)
+
+
+@pytest.mark.timeout(120)  # the bug was a hang
+def test_a_request_that_outgrows_the_pool_fails_alone(stories_path: str) -> None:
+    """Prompts are checked against the KV pool when added; a request that outgrows it while
+    generating (2 blocks of 4 tokens here) cannot be scheduled even alone. It comes back
+    finished with an error instead of waiting forever (``generate`` used to spin on empty
+    steps), and a request queued behind it, which fits, runs as it would alone (first come,
+    first served used to hold it too)."""
+    small = LLM(stories_path, num_blocks=2, block_size=4)
+    fits = SamplingParams(max_tokens=3, temperature=0.0)
+    [alone] = small.generate(["Once"], fits)
+    [big] = small.generate(["Once"], SamplingParams(max_tokens=30, ignore_eos=True))
+    assert big.finished and big.error is not None and "cannot be scheduled" in str(big.error)
+    engine = small.engine
+    big_id = engine.add_request("Once", SamplingParams(max_tokens=30, ignore_eos=True))
+    while engine.waiting_request_ids() != [big_id]:  # running until preempted for good
+        engine.step()
+    behind = engine.add_request("Once", fits)
+    done = engine.run_until_done()
+    assert done[big_id].error is not None and done[behind].error is None
+    assert done[behind].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_bad_prompt_later_in_the_list_queues_nothing(llm: LLM) -> None:
+    with pytest.raises(ValueError):
+        llm.generate([[1, 2, 3], [99999]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=2), SamplingParams(stop_token_ids=[100000])])
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("prompts", [None, [None], [1.5], [["a"]], 7])
+def test_prompts_of_the_wrong_type_are_named(llm: LLM, prompts) -> None:
+    with pytest.raises(ValueError, match="must be text"):
+        llm.generate(prompts, SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("messages,match", [
+    ("Hi", "must be a conversation"), (None, "must be a conversation"), ([], "must be a conversation"),
+    (["Hi", "there"], "conversation 0 must be a non-empty list"), ([[]], "conversation 0 must be a non-empty list"),
+    ([{"role": "user", "content": 5}], "message 0: 'content' must be a string, not int"),
+    ([{"content": "hi"}], "message 0: 'role' must be a string"),
+])
+def test_chat_messages_are_checked(llm: LLM, messages, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        llm.chat(messages)

@@ -523,8 +523,10 @@ class AsyncLLMEngine:
             self._fail(rid, loop, error)
 
     def _fail_unschedulable(self) -> None:
-        """Nothing runs and nothing could be scheduled: the waiting requests can never fit."""
-        doomed = [(rid, self._loops.get(rid)) for rid in self.engine.waiting_request_ids()]
+        """Nothing runs and nothing could be scheduled (the engine fails a request that can
+        never fit itself, ``LLMEngine._fail_unschedulable``; this is the safety net): the first
+        waiting request fails, so those behind it can be admitted."""
+        doomed = [(rid, self._loops.get(rid)) for rid in self.engine.waiting_request_ids()[:1]]
         for rid, _ in doomed:
             self.engine.abort(rid)
         self._publish_stats()

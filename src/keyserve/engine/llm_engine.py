@@ -260,8 +260,33 @@ class LLMEngine:
             if isinstance(e, self.engine_faults):
                 raise
             raise self._recover_failed_step(e) from e
+        if self.last_step_empty and not outputs and self.requests:
+            outputs = self._fail_unschedulable()
         self._flush_store_if_idle()
         return outputs
+
+    def _fail_unschedulable(self) -> list[RequestOutput]:
+        """An empty step with nothing running: the first waiting request cannot get its KV
+        blocks from a pool that nobody else holds, so it never will (a request's prompt is
+        checked against the pool when it is added; one that outgrew the pool while generating,
+        past its prompt, ends up here). It fails alone, with an error, so that the requests
+        queued behind it are admitted: first come, first served would hold them forever."""
+        stats = self.core.stats()
+        if stats.num_running_seqs:
+            return []
+        waiting = self.waiting_request_ids()
+        if not waiting:
+            return []
+        rid = waiting[0]
+        out = self.abort(rid)
+        if out is None:
+            return []
+        log.warning("request %s cannot be scheduled: it outgrew the KV pool", rid)
+        out.error = RequestFailedError(
+            f"request {rid} cannot be scheduled: it needs more KV blocks than the pool holds "
+            f"({stats.num_blocks} blocks of {stats.block_size} tokens)"
+        )
+        return [out]
 
     def _observe_step_cost(self, seconds: float) -> None:
         """Tell adaptive K what a decode step just cost, all of it (draft, target, verification,
