@@ -147,3 +147,66 @@ def test_a_second_job_on_the_same_output_is_refused(tmp_path: Path, flags: list[
     assert out.read_text() == ""
     assert batch_main(["--input", str(src), "--output", str(out), *flags]) == 0  # released
     assert set(read(out)) == {"a"}
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_line(tmp_path: Path, flags: list[str]) -> None:
+    """Windows editors start UTF-8 files with a BOM: the first line still runs under its id."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + (completion("bom", "Once") + "\n" + completion("two", "Tim") + "\n").encode())
+    assert batch_main(["--input", str(src), "--output", str(out), *flags]) == 0
+    by_id = read(out)
+    assert set(by_id) == {"bom", "two"} and by_id["bom"]["response"]["status_code"] == 200
+
+
+@pytest.mark.parametrize("case", ["output is input", "output links to input", "input is a directory",
+                                  "output is a directory", "missing input"])
+def test_bad_paths_exit_2_before_the_model_loads(tmp_path: Path, flags: list[str], capsys,
+                                                 monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """A path mistake is exit 2 with one line saying what is wrong, and the input is untouched
+    (an output equal to the input used to count every input line as done, exit 0, and could
+    cut the input's unterminated last line)."""
+    import keyserve.cluster.batch_job as batch_job
+
+    src = tmp_path / "in.jsonl"
+    content = completion("a", "Once") + "\n" + "{not json"  # an unterminated last line
+    src.write_text(content)
+    out = tmp_path / "out.jsonl"
+    if case == "output is input":
+        out = src
+    elif case == "output links to input":
+        out.symlink_to(src)
+    elif case == "input is a directory":
+        src = tmp_path / "adir"
+        src.mkdir()
+    elif case == "output is a directory":
+        out.mkdir()
+    else:
+        src = tmp_path / "nope.jsonl"
+
+    def no_model(*_):
+        raise AssertionError("the model loaded before the paths were checked")
+
+    monkeypatch.setattr(batch_job, "serve_config", no_model)
+    assert batch_main(["--input", str(src), "--output", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("batch: ") and "Traceback" not in err
+    if case in ("output is input", "output links to input"):
+        assert "is the input file" in err and (tmp_path / "in.jsonl").read_text() == content
+
+
+def test_an_input_line_is_not_taken_for_a_record(tmp_path: Path, flags: list[str]) -> None:
+    """Resuming reads the output's records; a line with a custom_id but no response/error (an
+    input line appended there by mistake) is not one, so its request still runs."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(completion("a", "Once") + "\n")
+    out.write_text(completion("a", "Once") + "\n")
+    assert batch_main(["--input", str(src), "--output", str(out), *flags]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r.get("response", {}).get("status_code") for r in records if "response" in r] == [200]
+
+
+def test_an_infinite_backoff_is_refused(tmp_path: Path, flags: list[str], capsys) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(completion("a", "Once") + "\n")
+    assert batch_main(["--input", str(src), "--output", str(out), "--retry-backoff-s", "inf", *flags]) == 2
+    assert "finite" in capsys.readouterr().err

@@ -56,7 +56,8 @@ def custom_id_of(raw: str) -> str | None:
 
 def read_input(path: Path) -> list[InputLine]:
     """Every non-blank line of ``path`` with its key (see the module docstring)."""
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first line
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         raw_lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
     ids = [custom_id_of(raw) for _, raw in raw_lines]
     taken = {cid for cid in ids if cid is not None}
@@ -83,6 +84,8 @@ def _record_mark(line: bytes) -> tuple[str, bool] | None:
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(rec, dict) or not isinstance(rec.get("custom_id"), str):
+        return None
+    if "response" not in rec or "error" not in rec:  # an input line, say, is not a record
         return None
     error = rec.get("error")
     return rec["custom_id"], isinstance(error, dict) and error.get("code") == DUPLICATE_CODE

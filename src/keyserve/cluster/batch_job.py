@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 import uuid
@@ -270,12 +271,34 @@ async def _main(args: argparse.Namespace, config: ServeConfig, policy: RetryPoli
             serving.engine.shutdown()
 
 
+def _path_problem(input_path: Path, output: Path) -> str | None:
+    """What is wrong with the input and output paths, if anything (checked before the model
+    loads, so a typo costs nothing)."""
+    if not input_path.exists():
+        return f"input {input_path} does not exist"
+    if not input_path.is_file():
+        return f"input {input_path} is not a file"
+    if not os.access(input_path, os.R_OK):
+        return f"input {input_path} is not readable"
+    if output.is_dir():
+        return f"output {output} is a directory; give a file path"
+    if output.exists() and os.path.samefile(input_path, output):
+        return f"output {output} is the input file: give another path (records are appended to it)"
+    parent = output.parent
+    while not parent.exists():  # created on start: the nearest existing ancestor must allow it
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent if not output.exists() else output, os.W_OK):
+        return f"output {output} cannot be written"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
     args = build_parser().parse_args(argv)
-    if not args.input.exists():
-        print(f"batch: input {args.input} does not exist", file=sys.stderr)
+    problem = _path_problem(args.input, args.output)
+    if problem is not None:  # before the model loads
+        print(f"batch: {problem}", file=sys.stderr)
         return 2
     try:
         config = serve_config(args)
@@ -289,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, ValueError, FileNotFoundError, OutputBusyError) as e:
         print(f"batch: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"batch: interrupted; every record written to {args.output} is kept: run the same "
+              "command again to finish", file=sys.stderr)
+        return 130
     print(json.dumps({"input": str(args.input), "output": str(args.output), **summary.__dict__}), flush=True)
     if summary.unfinished:
         print(f"batch: {summary.unfinished} line(s) have no record yet (transient failures); "

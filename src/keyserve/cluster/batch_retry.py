@@ -9,6 +9,8 @@ is recorded as its final result.
 
 from __future__ import annotations
 
+import math
+
 import random
 from dataclasses import dataclass
 
@@ -34,6 +36,8 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if not (math.isfinite(self.backoff_s) and math.isfinite(self.max_backoff_s)):
+            raise ValueError(f"backoff_s and max_backoff_s must be finite, got {self.backoff_s}, {self.max_backoff_s}")
         if not (0 <= self.backoff_s <= self.max_backoff_s):
             raise ValueError(f"need 0 <= backoff_s <= max_backoff_s, got {self.backoff_s}, {self.max_backoff_s}")
 
