@@ -277,7 +277,7 @@ def main() -> None:
         f"the engines take turns, best of {args.repeats}. *graph*: each step one execution of the Ray Compiled "
         f"Graph (KV-block manager -> target shards, shared-memory channels); *relay*: the same graph over the "
         f"actors' step channels (sockets, blocking reads): the driver sends the KV-block manager its request, "
-        f"the KV-block manager hands the step to the shards, the shards answer the driver; *channels*: the "
+        f"the KV-block manager hands the step to shard rank 0, which hands it on to the other ranks, the shards answer the driver; *channels*: the "
         f"driver calls the KV-block manager, then the target group, each over its step channel; *ray calls*: "
         f"the same calls as Ray actor calls. TP > 1 runs the first two. *Outside the runner* is a step's wall time minus the time "
         f"the model runner (rank 0) reports for its own work; the Ray orchestration cost is that figure for "

@@ -134,3 +134,11 @@ def test_prompts_of_the_wrong_type_are_named(llm: LLM, prompts) -> None:
 def test_chat_messages_are_checked(llm: LLM, messages, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         llm.chat(messages)
+
+
+def test_request_ids_and_chat_token_ids(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="request_id must be a non-empty string"):
+        llm.engine.add_request("Once", SamplingParams(max_tokens=2), request_id="")
+    with pytest.raises(ValueError, match="chat=True wraps text"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), chat=True)
+    assert not llm.engine.requests

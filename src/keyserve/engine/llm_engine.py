@@ -136,6 +136,9 @@ class LLMEngine:
                 messages = [{"role": "user", "content": prompt}]
                 return self.apply_chat_template(messages)
             return list(self.tokenizer.encode(prompt))
+        if chat:
+            raise ValueError("chat=True wraps text in the chat template; token ids are taken as they "
+                             "are: pass the text, or chat=False")
         return list(prompt)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
@@ -185,6 +188,8 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens but the model's context is "
                 f"{self.max_model_len} tokens (at least one must remain for generation)"
             )
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id must be a non-empty string (or None for a fresh one), not {request_id!r}")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
