@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -68,19 +69,47 @@ the fields of EngineConfig (as LLM(...) takes them; keyserve serve has the same 
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts, each checked: a ValueError naming the file and line (or the flag) for
+    anything that is not a prompt."""
     if args.prompt is not None:
-        return [args.prompt]
-    with open(args.prompts_file) as f:
-        lines = [line.rstrip("\n") for line in f]
+        return [_text(args.prompt, "--prompt")]
+    path = Path(args.prompts_file)
+    if path.is_dir():
+        raise ValueError(f"--prompts-file {path} is a directory, not a file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts-file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     prompts = []
-    for line in lines:
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        where = f"{path}, line {number}"
         if line.lstrip().startswith("{"):
-            prompts.append(json.loads(line)["prompt"])
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON: {e.msg} (column {e.colno})") from None
+            prompt = record.get("prompt") if isinstance(record, dict) else None
+            if not isinstance(prompt, str):
+                raise ValueError(f"{where}: a JSON line needs a \"prompt\" string")
+            prompts.append(prompt)
         else:
             prompts.append(line)
+    if not prompts:
+        raise ValueError(f"--prompts-file {path} holds no prompt")
     return prompts
+
+
+def _text(value: str, flag: str) -> str:
+    """Command-line text that is valid Unicode (argv bytes that are not UTF-8 arrive as lone
+    surrogates, which the tokenizer refuses with a TypeError)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{flag} is not valid UTF-8 text") from None
+    return value
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -111,25 +140,64 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             for o in out.outputs:
                 print(o.text)
+            if out.error is not None:
+                print(f"keyserve: {out.request_id} failed: {out.error}", file=sys.stderr)
             st = out.stats
             rate = f"{st.tokens_per_s:.1f} tok/s" if st.tokens_per_s else "n/a"
+            ttft = f"{st.time_to_first_token_s:.3f}s" if st.time_to_first_token_s is not None else "n/a"
             print(
                 f"[{st.prompt_tokens} prompt + {st.generated_tokens} generated tokens, "
-                f"TTFT {st.time_to_first_token_s:.3f}s, {rate}, KV blocks {st.kv_blocks_used}, "
+                f"TTFT {ttft}, {rate}, KV blocks {st.kv_blocks_used}, "
                 f"evicted {st.kv_tokens_evicted}, finish={out.finish_reason}"
                 + (f", speculative acceptance {st.spec_acceptance_rate:.0%}, "
                    f"{st.spec_tokens_per_forward:.2f} tokens/forward" if st.spec_draft_tokens else "")
                 + "]",
                 file=sys.stderr,
             )
-    return 0
+    return 1 if any(out.error is not None for out in outputs) else 0
 
 
 def cmd_distill_draft(args: argparse.Namespace) -> int:
+    _check_distill_args(args)  # before the output directory or anything else is touched
     from keyserve.training.distill import DistillOptions, distill_draft
 
     distill_draft(DistillOptions.from_namespace(args))
     return 0
+
+
+def _check_distill_args(args: argparse.Namespace) -> None:
+    """Every distill-draft flag in range, and --out a directory path: a ValueError naming the
+    flag (these used to surface only after the target loaded or its answers were generated,
+    and ``--out ""`` wrote into the current directory)."""
+    import math
+
+    if not args.out.strip():
+        raise ValueError("--out must name a directory")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    at_least = {"layers": 1, "vocab": 1, "num_prompts": 1, "gen_tokens": 1, "teacher_top_k": 1,
+                "gen_slots": 1, "corpus_tokens": 0, "steps": 1, "batch_tokens": 1, "threads": 1, "seed": 0}
+    for name, low in at_least.items():
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, not {getattr(args, name)}")
+    shares = ("greedy_fraction", "gen_share", "corpus_share", "dropout")
+    for name in shares:
+        value = getattr(args, name)
+        if not (math.isfinite(value) and 0.0 <= value <= 1.0) or (name == "dropout" and value == 1.0):
+            raise ValueError(f"--{name.replace('_', '-')} must lie in [0, 1{')' if name == 'dropout' else ']'}, not {value}")
+    if args.gen_share + args.corpus_share > 1.0:
+        raise ValueError(f"--gen-share + --corpus-share must be at most 1, not {args.gen_share + args.corpus_share}")
+    for name in ("lr", "time_budget_min"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number, not {value}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature must be a number >= 0, not {args.temperature}")
+    if args.init_layers is not None:
+        parts = [x.strip() for x in args.init_layers.split(",")]
+        if not all(x.isdigit() for x in parts):
+            raise ValueError(f"--init-layers must be comma-separated layer numbers, not {args.init_layers!r}")
 
 
 def _add_distill_args(p: argparse.ArgumentParser) -> None:
@@ -205,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         errs = flag_errors(e, *((flags.sampling, flags.engine) if flags else ()))
         print(f"keyserve: invalid value: {errs}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # an operator's input: a bad value, a wrong path
         print(f"keyserve: error: {e}", file=sys.stderr)
         return 2
 

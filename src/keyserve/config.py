@@ -13,7 +13,7 @@ and every command's flags are built from it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -34,7 +34,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    # allow_inf_nan=False: no size, timeout or budget is infinite (inf used to pass, and failed
+    # later as an OverflowError from deep inside)
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
 
 class ModelConfig(_Strict):
@@ -185,7 +187,7 @@ class ParallelConfig(_Strict):
     worker_num_gpus: float | None = Field(
         None, ge=0.0, description="GPUs per target shard; default: 1 when CUDA is available, else 0."
     )
-    worker_resources: dict[str, float] = Field(
+    worker_resources: dict[str, Annotated[float, Field(ge=0.0)]] = Field(
         default_factory=dict, description="Custom Ray resources each target shard needs."
     )
     worker_threads: int | None = Field(
@@ -422,10 +424,15 @@ class ServeConfig(FlatEngineConfig):  # type: ignore[misc, valid-type]
     @field_validator("api_key")
     @classmethod
     def _api_key_not_blank(cls, value: str | None) -> str | None:
-        """An empty key would accept an empty bearer token: refuse it at start-up."""
+        """An empty key would accept an empty bearer token: refuse it at start-up. Whitespace
+        around it (a key file's trailing newline, a Secret made with ``--from-file``) is not
+        part of it: clients send the key without it (and the server strips theirs), so a key
+        kept with it would lock every client out."""
         if value is not None and not value.strip():
             raise ValueError("api_key must not be empty or whitespace (leave it unset for no auth)")
-        return value
+        if value is not None and any(c.isspace() for c in value.strip()):
+            raise ValueError("api_key must not contain whitespace inside it")
+        return value.strip() if value is not None else None
 
     def model_name(self) -> str:
         """The name clients use: served_model_name, else the model path's last part."""

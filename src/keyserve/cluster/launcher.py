@@ -79,6 +79,8 @@ def run_uvicorn(args: ServeArgs, host: str, port: int) -> None:
             failed.append(e)
             server.should_exit = True
             return
+        if server.should_exit or not server.started:  # e.g. it could not bind: uvicorn said why
+            return
         print(f"keyserve: serving {serving.model_name!r} at http://{host}:{port}/v1 (uvicorn)", flush=True)
 
     print(f"keyserve: loading {serving.model_name!r}; http://{host}:{port}/health is 503 until it is "

@@ -32,12 +32,54 @@ NO_FLAG = {
 }
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:  # 0 would listen on a random port; above 65535 wraps around
+        raise argparse.ArgumentTypeError(f"a port lies in 1-65535, not {port}")
+    return port
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (in use, an unknown host), checked before the
+    model loads; None if it can."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return f"--host {host!r}: {e}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
+
+
+def _ray_only(args: argparse.Namespace, parsed: ServeArgs) -> str | None:
+    """A Ray-only flag given with --no-ray (it would be ignored silently)."""
+    defaults = ServeArgs()
+    if parsed.engine_config().parallel.uses_ray:
+        return "--tp > 1 and --address run on Ray"
+    for flag in ("num_replicas", "num_cpus", "num_gpus", "max_ongoing_requests"):
+        if getattr(parsed, flag) != getattr(defaults, flag):
+            return f"--{flag.replace('_', '-')} places Ray Serve replicas"
+    if args.ray_address is not None or args.ray_num_cpus is not None:
+        return "--address and --ray-num-cpus are for Ray"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="keyserve serve", description=__doc__, formatter_class=PlainHelpFormatter,
                                 usage="%(prog)s [-h] [--host HOST] [--port PORT] [--address ADDRESS] "
                                 "[--no-ray] [flags below]")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--port", type=_port, default=8000, help="HTTP port (1-65535)")
     p.add_argument("--address", dest="ray_address", default=None,
                    help="Ray cluster to deploy onto ('auto': the running one); default: $RAY_ADDRESS, "
                    "else start a local Ray")
@@ -62,6 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         parsed = serve_args(args)
     except ValidationError as e:
         print(f"keyserve serve: invalid value: {flag_errors(e, args.serve_flags)}", file=sys.stderr)
+        return 2
+    conflict = _ray_only(args, parsed) if args.no_ray else None
+    if conflict is not None:
+        print(f"keyserve serve: --no-ray serves in this process, without Ray: {conflict}", file=sys.stderr)
+        return 2
+    problem = _cannot_listen(args.host, args.port)
+    if problem is not None:  # before the model loads and anything says "serving"
+        print(f"keyserve serve: {problem}", file=sys.stderr)
         return 2
     if args.no_ray:
         run_uvicorn(parsed, args.host, args.port)

@@ -71,4 +71,5 @@ class RequestOutput:
             "finish_reason": self.finish_reason,
             "outputs": [asdict(o) for o in self.outputs],
             "stats": self.stats.to_dict(),
+            "error": None if self.error is None else str(self.error),
         }

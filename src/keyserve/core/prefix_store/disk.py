@@ -84,6 +84,8 @@ class DiskTier:
         background_writes: bool = True,
     ) -> None:
         if parent is not None:
+            if Path(parent).exists() and not Path(parent).is_dir():
+                raise ValueError(f"prefix store disk_path {parent} exists and is not a directory")
             Path(parent).mkdir(parents=True, exist_ok=True)
         # A directory of our own: the index lives in memory, so files of another process or an
         # earlier run are never trusted (nor deleted).
