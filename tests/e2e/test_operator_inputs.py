@@ -131,3 +131,13 @@ def test_distill_flags_are_checked_before_anything_is_written(tmp_path: Path, ca
     assert keyserve_main(argv) == 2
     assert needle in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_a_blank_api_key_in_the_environment_is_named(stories_path: str, capsys, monkeypatch: pytest.MonkeyPatch,
+                                                     value: str) -> None:
+    """Set but blank (a Secret that came out empty) is refused, naming the variable, not a flag
+    nobody passed; it never means "serve without a key"."""
+    monkeypatch.setenv("KEYSERVE_API_KEY", value)
+    assert serve_cli.main(["--no-ray", "--model", stories_path]) == 2
+    assert "$KEYSERVE_API_KEY is set but blank" in capsys.readouterr().err

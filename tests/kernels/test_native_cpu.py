@@ -198,3 +198,21 @@ def test_supports_only_cpu_contiguous_float32_or_bf16() -> None:
     assert supports(q, torch.zeros(2, BS, HKV, D, dtype=torch.bfloat16))
     assert not supports(q, torch.zeros(2, BS, HKV, D, dtype=torch.float16))
     assert not supports(q, torch.zeros(2, HKV, BS, D).transpose(1, 2))
+
+
+def test_env_switches_take_the_usual_words_and_refuse_typos(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KEYSERVE_PACKED_LINEAR=off`` used to leave it on (only "0" counted there), and a typo
+    silently meant "on" everywhere."""
+    from keyserve.kernels.native import env_switch
+
+    for off in ("0", "false", "NO", "off", " Off "):
+        monkeypatch.setenv("KEYSERVE_TEST_SWITCH", off)
+        assert env_switch("KEYSERVE_TEST_SWITCH") is False
+    for on in ("1", "true", "Yes", "on"):
+        monkeypatch.setenv("KEYSERVE_TEST_SWITCH", on)
+        assert env_switch("KEYSERVE_TEST_SWITCH") is True
+    monkeypatch.delenv("KEYSERVE_TEST_SWITCH")
+    assert env_switch("KEYSERVE_TEST_SWITCH") is True
+    monkeypatch.setenv("KEYSERVE_TEST_SWITCH", "banana")
+    with pytest.raises(ValueError, match=r"\$KEYSERVE_TEST_SWITCH must be 0/1"):
+        env_switch("KEYSERVE_TEST_SWITCH")

@@ -94,7 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
 def serve_args(ns: argparse.Namespace) -> ServeArgs:
     """The ServeArgs of parsed flags (the API key from $KEYSERVE_API_KEY unless --api-key)."""
     kwargs = ns.serve_flags.values(ns)
-    kwargs.setdefault("api_key", os.environ.get("KEYSERVE_API_KEY") or None)
+    env_key = os.environ.get("KEYSERVE_API_KEY")
+    if "api_key" not in kwargs and env_key is not None:
+        if not env_key.strip():  # set but blank: a Secret that came out empty, not "no auth"
+            raise ValueError("$KEYSERVE_API_KEY is set but blank: unset it to serve without a key, or set the key")
+        kwargs["api_key"] = env_key
     return ServeArgs(**kwargs)
 
 
@@ -104,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         parsed = serve_args(args)
     except ValidationError as e:
         print(f"keyserve serve: invalid value: {flag_errors(e, args.serve_flags)}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"keyserve serve: {e}", file=sys.stderr)
         return 2
     conflict = _ray_only(args, parsed) if args.no_ray else None
     if conflict is not None:

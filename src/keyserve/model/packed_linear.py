@@ -14,9 +14,10 @@ native few-row kernels, so bf16 weights take twice their memory on such CPUs.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from keyserve.kernels.native import env_switch
 
 from keyserve.kernels.weight_cache import PerWeight
 
@@ -28,7 +29,7 @@ _PACK_ROWS_HINT = 64
 @functools.cache
 def available() -> bool:
     """True where torch's oneDNN linear with a prepacked weight can run bf16."""
-    if os.environ.get("KEYSERVE_PACKED_LINEAR", "1") == "0":
+    if not env_switch("KEYSERVE_PACKED_LINEAR"):
         return False
     if not torch.backends.mkldnn.is_available():
         return False

@@ -48,8 +48,15 @@ def _cpu_flags() -> str:
 
 
 def env_switch(name: str) -> bool:
-    """An on-by-default switch: off when the variable is ``0``, ``false`` or ``no``."""
-    return os.environ.get(name, "1") not in ("0", "false", "no")
+    """An on-by-default switch: off for ``0``, ``false``, ``no`` or ``off`` (any case), on for
+    ``1``, ``true``, ``yes``, ``on`` or unset; anything else is a ValueError naming the variable
+    (a typo silently meant "on")."""
+    value = os.environ.get(name, "1").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    raise ValueError(f"${name} must be 0/1, true/false, yes/no or on/off, not {os.environ[name]!r}")
 
 
 def enabled() -> bool:
