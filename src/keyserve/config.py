@@ -260,7 +260,7 @@ class EngineConfig(_Strict):
     spec: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     prefix_store: PrefixStoreConfig = Field(default_factory=PrefixStoreConfig)
-    seed: int = Field(0, ge=0, description="Seed of the global RNG (unseeded requests).")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the global RNG (unseeded requests).")
 
     @model_validator(mode="after")
     def _prefix_store_fits(self) -> "EngineConfig":

@@ -210,3 +210,12 @@ def test_an_infinite_backoff_is_refused(tmp_path: Path, flags: list[str], capsys
     src.write_text(completion("a", "Once") + "\n")
     assert batch_main(["--input", str(src), "--output", str(out), "--retry-backoff-s", "inf", *flags]) == 2
     assert "finite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "nan", "-5"])
+def test_a_timeout_that_is_not_a_positive_number_names_the_flag(tmp_path: Path, capsys, value: str) -> None:
+    with pytest.raises(SystemExit) as stop:
+        batch_main(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl"), "--timeout-s", value])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "keyserve batch: error: argument --timeout-s: must be a positive number of seconds" in err

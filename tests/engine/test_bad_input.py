@@ -142,3 +142,9 @@ def test_request_ids_and_chat_token_ids(llm: LLM) -> None:
     with pytest.raises(ValueError, match="chat=True wraps text"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), chat=True)
     assert not llm.engine.requests
+
+
+@pytest.mark.parametrize("num_blocks", [10**12, 10**15])  # more than memory; more than int64 bytes
+def test_a_kv_pool_that_cannot_be_allocated_is_a_clear_error(stories_path: str, num_blocks: int) -> None:
+    with pytest.raises(ValueError, match=rf"cannot allocate the KV cache: {num_blocks} blocks of 16 tokens need"):
+        LLM(stories_path, num_blocks=num_blocks, block_size=16)

@@ -223,6 +223,18 @@ async def run_batch(serving: Any, input_path: Path, output: Path | OutputLog, co
     return summary
 
 
+def _positive_seconds(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -231,14 +243,14 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m keyserve.cluster.batch_job", description=__doc__,
+    p = argparse.ArgumentParser(prog="keyserve batch", description=__doc__,
                                 formatter_class=PlainHelpFormatter,
-                                usage="%(prog)s [-h] --input INPUT --output OUTPUT [flags below]")
+                                usage="keyserve batch [-h] --input INPUT --output OUTPUT [flags below]")
     p.add_argument("--input", required=True, type=Path, help="OpenAI batch-format JSONL")
     p.add_argument("--output", required=True, type=Path, help="results JSONL (appended; rerun resumes)")
     p.add_argument("--concurrency", type=_positive_int, default=None,
                    help="requests in flight (default: 2 x max_num_seqs)")
-    p.add_argument("--timeout-s", type=float, default=None,
+    p.add_argument("--timeout-s", type=_positive_seconds, default=None,
                    help="per-request limit; a timeout is transient (retried) (default: none)")
     p.add_argument("--max-attempts", type=int, default=RetryPolicy.max_attempts,
                    help="tries per line per run for transient failures (default: %(default)s)")

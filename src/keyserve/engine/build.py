@@ -169,7 +169,13 @@ def build_runner(
     arch = model.config
     if device.type == "cpu":
         tune_malloc()  # large activations reused, not re-faulted every layer (engine/malloc_tuning.py)
-    kv = allocate_kv_cache(arch, num_blocks, block_size, dtype, device, rank, world_size)
+    try:
+        kv = allocate_kv_cache(arch, num_blocks, block_size, dtype, device, rank, world_size)
+    except (RuntimeError, MemoryError, TypeError) as e:  # allocator: "can't allocate"; sizes past int64: TypeError
+        need = num_blocks * kv_cache_bytes_per_block(arch, block_size, dtype, world_size) / 2**30
+        raise ValueError(f"cannot allocate the KV cache: {num_blocks} blocks of {block_size} tokens need "
+                         f"{need:.1f} GiB on {device} ({str(e).splitlines()[0]}); lower num_blocks or "
+                         "kv_cache_memory_gb") from e
     head = None
     if world_size > 1:
         head = VocabParallelHead(model.lm_head_weight, rank, world_size)
