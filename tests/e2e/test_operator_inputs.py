@@ -141,3 +141,33 @@ def test_a_blank_api_key_in_the_environment_is_named(stories_path: str, capsys, 
     monkeypatch.setenv("KEYSERVE_API_KEY", value)
     assert serve_cli.main(["--no-ray", "--model", stories_path]) == 2
     assert "$KEYSERVE_API_KEY is set but blank" in capsys.readouterr().err
+
+
+def test_an_unreachable_ray_address_fails_at_once(stories_path: str, tmp_path: Path, capsys,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ray.init`` retries an unreachable GCS for minutes, printing only timeouts (a batch job
+    with a stale $RAY_ADDRESS looked hung): the address is tried first, and the job exits 2."""
+    from keyserve.actors.common import check_reachable
+    from keyserve.cluster.batch_job import main as batch_main
+
+    with pytest.raises(ConnectionError, match="cannot reach the Ray cluster at garbage.invalid:1"):
+        check_reachable("garbage.invalid:1")
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, not listening: refused
+        with pytest.raises(ConnectionError, match="refused"):
+            check_reachable(f"127.0.0.1:{port}")
+    check_reachable("auto")  # left to Ray
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                               "body": {"prompt": "Once", "max_tokens": 2}}) + "\n")
+    monkeypatch.setenv("RAY_ADDRESS", "garbage.invalid:1")
+    assert batch_main(["--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--model", stories_path,
+                       "--no-progress"]) == 2
+    assert "cannot reach the Ray cluster at garbage.invalid:1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["", "a#b", "has space"])
+def test_a_deployment_name_ray_cannot_take_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="deployment_name"):
+        ServeArgs(deployment_name=name)

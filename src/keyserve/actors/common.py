@@ -27,14 +27,35 @@ class DraftLost(RuntimeError):
 ACTOR_LOST = (RayActorError,)  # ActorDiedError and ActorUnavailableError derive from it
 
 
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A ``host:port`` Ray address must answer a TCP connect: ``ray.init`` itself retries an
+    unreachable GCS for minutes, printing only timeouts. ``auto``, ``local`` and ``ray://``
+    addresses are left to Ray."""
+    import socket
+
+    if address in ("auto", "local") or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise ConnectionError(f"Ray address {address!r} is not host:port")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConnectionError(f"cannot reach the Ray cluster at {address} ({e.strerror or e}); "
+                              "check --address / $RAY_ADDRESS") from None
+
+
 def ensure_ray(address: str | None = None) -> None:
     """Join the cluster at ``address``, else a running local one, else start one."""
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     if address is not None:
+        check_reachable(address)
         ray.init(address=address, ignore_reinit_error=True)
         return
+    if os.environ.get("RAY_ADDRESS"):  # what "auto" joins first
+        check_reachable(os.environ["RAY_ADDRESS"])
     try:
         ray.init(address="auto", ignore_reinit_error=True)
     except ConnectionError:

@@ -38,6 +38,7 @@ from keyserve.cluster.errors import APIError, bad_request, to_api_error
 from keyserve.cluster.help_format import PlainHelpFormatter
 from keyserve.cluster.openai_serving import OpenAIServing
 from keyserve.config import ServeConfig
+from keyserve.engine.async_engine import EngineDeadError
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # ServeConfig fields without a batch flag, and why; every engine field has one.
@@ -277,7 +278,10 @@ async def _main(args: argparse.Namespace, config: ServeConfig, policy: RetryPoli
     with OutputLog(args.output, durable=not args.no_fsync) as log:  # locked before the model loads
         serving = OpenAIServing.from_config(config)
         try:
-            await serving.engine.wait_ready()
+            try:
+                await serving.engine.wait_ready()
+            except EngineDeadError as e:  # it never started: a model that does not load, no Ray cluster
+                raise ValueError(str(e)) from e
             return await run_batch(serving, args.input, log, concurrency, not args.no_progress, policy)
         finally:
             serving.engine.shutdown()
@@ -321,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         policy = RetryPolicy(max_attempts=args.max_attempts, backoff_s=args.retry_backoff_s,
                              max_backoff_s=max(RetryPolicy.max_backoff_s, args.retry_backoff_s))
         summary = asyncio.run(_main(args, config, policy))
-    except (ValidationError, ValueError, FileNotFoundError, OutputBusyError) as e:
+    except (ValidationError, ValueError, FileNotFoundError, OutputBusyError, ConnectionError) as e:
         print(f"batch: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -30,6 +30,9 @@ def init_ray(opts: RayOptions) -> None:
         return
     address = opts.address or os.environ.get("RAY_ADDRESS")
     if address:
+        from keyserve.actors.common import check_reachable
+
+        check_reachable(address)
         ray.init(address=address)
         return
     ray.init(

@@ -43,7 +43,8 @@ class ServeArgs(ServeConfig):
         description="Requests Serve routes to one replica at once; default: enough that the "
         "engine's own queue (503 + Retry-After) is the limit clients meet.",
     )
-    deployment_name: str = Field("KeyserveDeployment", description="Serve deployment name.")
+    deployment_name: str = Field("KeyserveDeployment", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                                 description="Serve deployment name (letters, digits, '_', '.', '-').")
 
     def serve_config(self) -> ServeConfig:
         return ServeConfig.model_validate(self.model_dump(include=set(ServeConfig.model_fields)))

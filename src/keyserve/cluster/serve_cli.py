@@ -122,9 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.no_ray:
         run_uvicorn(parsed, args.host, args.port)
-    else:
+        return 0
+    try:
         run_serve(parsed, args.host, args.port,
                   RayOptions(args.ray_address, args.ray_num_cpus, args.object_store_memory_mb))
+    except ConnectionError as e:  # an unreachable --address / $RAY_ADDRESS
+        print(f"keyserve serve: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
