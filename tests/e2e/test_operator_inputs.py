@@ -147,7 +147,7 @@ def test_an_unreachable_ray_address_fails_at_once(stories_path: str, tmp_path: P
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """``ray.init`` retries an unreachable GCS for minutes, printing only timeouts (a batch job
     with a stale $RAY_ADDRESS looked hung): the address is tried first, and the job exits 2."""
-    from keyserve.actors.common import check_reachable
+    from keyserve.core.ray_address import check_reachable
     from keyserve.cluster.batch_job import main as batch_main
 
     with pytest.raises(ConnectionError, match="cannot reach the Ray cluster at garbage.invalid:1"):

@@ -10,6 +10,7 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from keyserve.actors.step_channel import TOKEN_BYTES, ChannelClient
+from keyserve.core.ray_address import check_reachable
 
 
 class ShardLost(RuntimeError):
@@ -25,24 +26,6 @@ class DraftLost(RuntimeError):
 
 
 ACTOR_LOST = (RayActorError,)  # ActorDiedError and ActorUnavailableError derive from it
-
-
-def check_reachable(address: str, timeout_s: float = 10.0) -> None:
-    """A ``host:port`` Ray address must answer a TCP connect: ``ray.init`` itself retries an
-    unreachable GCS for minutes, printing only timeouts. ``auto``, ``local`` and ``ray://``
-    addresses are left to Ray."""
-    import socket
-
-    if address in ("auto", "local") or "://" in address or ":" not in address:
-        return
-    host, _, port = address.rpartition(":")
-    if not port.isdigit():
-        raise ConnectionError(f"Ray address {address!r} is not host:port")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise ConnectionError(f"cannot reach the Ray cluster at {address} ({e.strerror or e}); "
-                              "check --address / $RAY_ADDRESS") from None
 
 
 def ensure_ray(address: str | None = None) -> None:

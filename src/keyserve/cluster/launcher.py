@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from keyserve.cluster.http_app import create_app
 from keyserve.cluster.openai_serving import OpenAIServing
 from keyserve.cluster.serve_app import ServeArgs, build_app
+from keyserve.core.ray_address import check_reachable
 
 
 @dataclass
@@ -30,8 +31,6 @@ def init_ray(opts: RayOptions) -> None:
         return
     address = opts.address or os.environ.get("RAY_ADDRESS")
     if address:
-        from keyserve.actors.common import check_reachable
-
         check_reachable(address)
         ray.init(address=address)
         return
