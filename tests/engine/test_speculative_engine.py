@@ -255,3 +255,18 @@ def test_sampled_with_top_k_top_p_equals_target_exactly(stories_path: str, draft
     if exp[-1] < 1e-9:
         obs, exp = obs[:-1], exp[:-1]
     assert chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_a_seeded_sampled_request_is_the_same_alone_or_beside_another_speculating(
+        stories_path: str, draft_dir: str) -> None:
+    """A seeded request drafting 2 per step beside a greedy one drafting 4: the same tokens as
+    alone (the hostile-input sweep's case; its accept uniforms used to follow the batch's widest
+    draft count, and every later draw shifted)."""
+    llm = LLM(stories_path, num_blocks=400, draft=draft_dir, num_speculative_tokens=4, adaptive_k=False)
+    seeded = SamplingParams(max_tokens=80, temperature=1.0, seed=1234, num_speculative_tokens=2, ignore_eos=True)
+    partner = SamplingParams(max_tokens=200, temperature=0.0, num_speculative_tokens=4, ignore_eos=True)
+    [alone] = llm.generate(["Once upon a time"], seeded)
+    [again] = llm.generate(["Once upon a time"], seeded)
+    batched, _ = llm.generate(["Once upon a time", "The dog"], [seeded, partner])
+    assert again.token_ids == alone.token_ids
+    assert batched.token_ids == alone.token_ids

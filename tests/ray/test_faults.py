@@ -125,6 +125,25 @@ def test_target_shard_killed(engine: RayEngine, reference: LLM) -> None:
     _check(engine, reference, prompts, params, got)
 
 
+def _wait_until_killed(core) -> None:
+    """``ray.kill`` is asynchronous: wait until the actor no longer answers as itself, as it
+    cannot once its channel has closed for real (on a loaded machine the engine's diagnosis
+    otherwise reached the old actor first, found it alive, and failed the step)."""
+    from ray.exceptions import GetTimeoutError, RayError
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(core.actor.ready.remote(), timeout=5) != core.incarnation:
+                return
+        except GetTimeoutError:
+            continue  # slow, not gone
+        except RayError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed KV-block manager still answers as itself")
+
+
 def test_kv_manager_lost_after_the_shards_sampled(engine: RayEngine, reference: LLM, monkeypatch) -> None:
     """The lost step: the shards ran a step (rank 0 drew for the seeded requests) but the
     KV-block manager died before the driver read it, so its tokens never arrive and the step is
@@ -146,6 +165,7 @@ def test_kv_manager_lost_after_the_shards_sampled(engine: RayEngine, reference: 
         calls.append(result)
         if len(calls) == 5:  # a decoding step: every seeded request sampled in it
             ray.kill(core.actor, no_restart=False)
+            _wait_until_killed(core)
             raise RayActorError() if engine.compiled_graph else ChannelClosed("the actor closed its step channel")
         return result
 

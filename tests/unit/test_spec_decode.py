@@ -362,3 +362,43 @@ def test_verify_drafts_greedy_and_sampled_rows_in_one_batch() -> None:
     g_out = verify_drafts(logits[greedy], ids[greedy], num_draft[greedy],
                           SamplingTensors.from_params([params[0]] * int(greedy.sum())), [None] * int(greedy.sum()))
     assert torch.equal(g_out.output_token_ids, out.output_token_ids[greedy])
+
+
+def test_a_seeded_row_verifies_alike_whatever_its_neighbours_draft() -> None:
+    """Each seeded row draws its accept uniforms from its own generator, and only as many as it
+    has drafts: batched beside a row drafting 4, a row with 2 drafts emits what it emits alone,
+    and its generator ends in the same state (so its later steps match too). Found by a
+    hostile-input sweep: it drew the batch's widest count, which shifted every later draw."""
+    from keyserve.core.sampler import SamplingTensors, make_generator
+    from keyserve.core.sampling_params import SamplingParams
+    from keyserve.core.spec_decode import verify_drafts
+
+    V = 7
+    g = torch.Generator().manual_seed(11)
+    mine_logits = torch.randn(1, 3, V, generator=g)  # 2 drafts + the bonus row
+    mine_ids = torch.randint(0, V, (1, 2), generator=g)
+    mine_p = torch.softmax(torch.randn(1, 2, V, generator=g), -1)
+    other_logits = torch.randn(1, 5, V, generator=g)
+    other_ids = torch.randint(0, V, (1, 4), generator=g)
+    other_p = torch.softmax(torch.randn(1, 4, V, generator=g), -1)
+    params = SamplingParams(temperature=1.0, seed=1234)
+
+    def run(batched: bool) -> tuple[list[int], int, torch.Tensor]:
+        gen = make_generator(1234, 0)
+        if not batched:
+            st = SamplingTensors.from_params([params])
+            out = verify_drafts(mine_logits, mine_ids, torch.tensor([2]), st, [gen], mine_p)
+        else:
+            pad = torch.nn.functional.pad
+            logits = torch.cat([pad(mine_logits, (0, 0, 0, 2)), other_logits])
+            ids = torch.cat([pad(mine_ids, (0, 2)), other_ids])
+            probs = torch.cat([pad(mine_p, (0, 0, 0, 2)), other_p])
+            st = SamplingTensors.from_params([params, SamplingParams(temperature=1.0, seed=99)])
+            out = verify_drafts(logits, ids, torch.tensor([2, 4]), st, [gen, make_generator(99, 0)], probs)
+        n = int(out.num_accepted[0])
+        return out.output_token_ids[0, : n + 1].tolist(), n, torch.rand(4, generator=gen)
+
+    for _ in range(20):
+        alone, batched = run(False), run(True)
+        assert alone[:2] == batched[:2] and torch.equal(alone[2], batched[2])
+        mine_ids = torch.randint(0, V, (1, 2), generator=g)  # another case

@@ -171,7 +171,8 @@ def verify_drafts(
         if draft_probs is None:
             raise ValueError("sampled (temperature > 0) verification needs the draft probabilities")
         q = processed_probs(target_logits.reshape(-1, vocab).float(), st.expand(positions))
-        accept_u = uniforms(num_seqs, max_draft, generators, dev)  # [num_seqs, max_draft]
+        # a seeded row draws as many accept uniforms as it has drafts, not the batch's widest
+        accept_u = uniforms(num_seqs, max_draft, generators, dev, widths=num_draft)  # [num_seqs, max_draft]
         draw_u = uniforms(num_seqs, vocab, generators, dev)  # [num_seqs, vocab]
         out, num_accepted = rejection_sample(draft_probs, q.view(num_seqs, positions, vocab), ids,
                                              accept_u, draw_u, num_draft=num_draft)
@@ -183,14 +184,24 @@ def verify_drafts(
 
 
 def uniforms(
-    num_rows: int, width: int, generators: list[torch.Generator | None], device: torch.device | str
+    num_rows: int,
+    width: int,
+    generators: list[torch.Generator | None],
+    device: torch.device | str,
+    widths: torch.Tensor | None = None,  # [num_rows] int64: values a seeded row draws (<= width)
 ) -> torch.Tensor:  # [num_rows, width] float32 in [0, 1)
     """U(0, 1) per row: one batched draw from the global RNG, then the rows with a generator
-    redrawn from it (a seeded request's stream depends on nothing else in the batch)."""
+    redrawn from it, so a seeded request's stream depends on nothing else in the batch. With
+    ``widths`` a seeded row draws only its own count (the rest of its row is never read): the
+    accept uniforms of a row with 2 drafts must not depend on a neighbour drafting 4 (found by
+    a hostile-input sweep: the seeded row's later draws all shifted)."""
     out = torch.rand(num_rows, width, device=device)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            out[row] = torch.rand(width, generator=gen, device=gen.device)
+    seeded = [row for row, gen in enumerate(generators) if gen is not None]
+    counts = widths.tolist() if widths is not None and seeded else None
+    for row in seeded:
+        gen = generators[row]
+        n = width if counts is None else min(int(counts[row]), width)
+        out[row, :n] = torch.rand(n, generator=gen, device=gen.device)
     return out
 
 
