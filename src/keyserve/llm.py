@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from numbers import Integral
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -45,7 +46,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or chat user messages with ``chat``);
         one RequestOutput per prompt, in order. Invalid input raises before anything runs."""
-        if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], Integral)):
             prompts = [prompts]  # type: ignore[list-item]
         _check_prompts(prompts)
         if not isinstance(sampling_params, Seq):
@@ -151,7 +152,7 @@ def _check_prompts(prompts: object) -> None:
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             continue
-        if isinstance(p, Seq) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if isinstance(p, Seq) and all(isinstance(t, Integral) and not isinstance(t, bool) for t in p):
             continue
         raise ValueError(f"prompt {i} must be text or a list of token ids (ints), not {p!r:.80}")
 
