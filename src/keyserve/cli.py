@@ -158,46 +158,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_distill_draft(args: argparse.Namespace) -> int:
-    _check_distill_args(args)  # before the output directory or anything else is touched
     from keyserve.training.distill import DistillOptions, distill_draft
 
-    distill_draft(DistillOptions.from_namespace(args))
+    options = DistillOptions.from_namespace(args)  # checks every flag before anything is written
+    distill_draft(options)
     return 0
-
-
-def _check_distill_args(args: argparse.Namespace) -> None:
-    """Every distill-draft flag in range, and --out a directory path: a ValueError naming the
-    flag (these used to surface only after the target loaded or its answers were generated,
-    and ``--out ""`` wrote into the current directory)."""
-    import math
-
-    if not args.out.strip():
-        raise ValueError("--out must name a directory")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
-    at_least = {"layers": 1, "vocab": 1, "num_prompts": 1, "gen_tokens": 1, "teacher_top_k": 1,
-                "gen_slots": 1, "corpus_tokens": 0, "steps": 1, "batch_tokens": 1, "threads": 1, "seed": 0}
-    for name, low in at_least.items():
-        if getattr(args, name) < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, not {getattr(args, name)}")
-    shares = ("greedy_fraction", "gen_share", "corpus_share", "dropout")
-    for name in shares:
-        value = getattr(args, name)
-        if not (math.isfinite(value) and 0.0 <= value <= 1.0) or (name == "dropout" and value == 1.0):
-            raise ValueError(f"--{name.replace('_', '-')} must lie in [0, 1{')' if name == 'dropout' else ']'}, not {value}")
-    if args.gen_share + args.corpus_share > 1.0:
-        raise ValueError(f"--gen-share + --corpus-share must be at most 1, not {args.gen_share + args.corpus_share}")
-    for name in ("lr", "time_budget_min"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive number, not {value}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise ValueError(f"--temperature must be a number >= 0, not {args.temperature}")
-    if args.init_layers is not None:
-        parts = [x.strip() for x in args.init_layers.split(",")]
-        if not all(x.isdigit() for x in parts):
-            raise ValueError(f"--init-layers must be comma-separated layer numbers, not {args.init_layers!r}")
 
 
 def _add_distill_args(p: argparse.ArgumentParser) -> None:

@@ -66,6 +66,38 @@ class DistillOptions:
     corpus_tokens: int = 0  # teacher-forced tokens of offline text (training/corpus.py); 0: none
     corpus_share: float = 0.2  # of the time budget, for them (after the answers)
 
+    def __post_init__(self) -> None:
+        """Every option in range, and ``out`` a directory path: a ValueError naming the
+        ``distill-draft`` flag, before the output directory or anything else is touched (these
+        used to surface only after the target loaded or its answers were generated, and
+        ``out=""`` wrote into the current directory)."""
+        if not str(self.out).strip():
+            raise ValueError("--out must name a directory")
+        out = Path(self.out)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} exists and is not a directory")
+        at_least = {"layers": 1, "vocab": 1, "num_prompts": 1, "gen_tokens": 1, "teacher_top_k": 1,
+                    "gen_slots": 1, "corpus_tokens": 0, "steps": 1, "batch_tokens": 1, "threads": 1, "seed": 0}
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, not {getattr(self, name)}")
+        for name in ("greedy_fraction", "gen_share", "corpus_share", "dropout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0.0 <= value <= 1.0) or (name == "dropout" and value == 1.0):
+                raise ValueError(f"--{name.replace('_', '-')} must lie in [0, 1{')' if name == 'dropout' else ']'}, "
+                                 f"not {value}")
+        if self.gen_share + self.corpus_share > 1.0:
+            raise ValueError(f"--gen-share + --corpus-share must be at most 1, not {self.gen_share + self.corpus_share}")
+        for name in ("lr", "time_budget_min"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number, not {value}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"--temperature must be a number >= 0, not {self.temperature}")
+        if self.init_layers is not None:
+            if not all(x.strip().isdigit() for x in self.init_layers.split(",")):
+                raise ValueError(f"--init-layers must be comma-separated layer numbers, not {self.init_layers!r}")
+
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> DistillOptions:
         names = {f.name for f in fields(cls)}
