@@ -12,6 +12,8 @@ grew (``tables`` ignored), the pruned argmax not mapped back to token ids."""
 from __future__ import annotations
 
 import pytest
+import torch
+from helpers.proposals import recorded_proposals
 
 from keyserve import LLM, SamplingParams
 from keyserve.engine import draft_chain, drafter as drafter_module
@@ -29,36 +31,30 @@ def llm() -> LLM:
     return LLM(draft="default", num_speculative_tokens=6, adaptive_k=False, block_size=4)
 
 
+def _params(ks: tuple[int, ...], max_tokens: int = 40) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, num_speculative_tokens=k)
+            for k in ks]
+
+
 def _proposals(llm: LLM, chained: bool) -> tuple[list, list[list[int]]]:
-    drafter = llm.engine.speculative.drafter
-    drafter.chained = chained
-    seen: list[tuple[list, list]] = []
-    real = drafter.propose
-
-    def propose(targets, num_draft):
-        out = real(targets, num_draft)
-        seen.append((out.token_ids.tolist(), out.num_draft.tolist()))
-        return out
-
-    drafter.propose = propose
-    try:
-        params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, num_speculative_tokens=k)
-                  for k in (6, 3, 5, 2)]
-        outs = llm.generate(PROMPTS, params, chat=True)
-    finally:
-        del drafter.propose
-    return seen, [o.token_ids for o in outs]
+    return recorded_proposals(llm, PROMPTS, _params((6, 3, 5, 2)), chained, chat=True)
 
 
-def test_chained_greedy_drafts_equal_the_runners_path(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    chained_calls: list[bool] = []  # per chained forward: whether a block table had grown
+def _count_chained(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Per chained forward: whether a row's block table had grown."""
+    calls: list[bool] = []
     real_next = draft_chain.next_decode_inputs
 
     def next_inputs(inputs, tokens, tables, block_size):
-        chained_calls.append(tables is not None)
+        calls.append(tables is not None)
         return real_next(inputs, tokens, tables, block_size)
 
     monkeypatch.setattr(drafter_module, "next_decode_inputs", next_inputs)
+    return calls
+
+
+def test_chained_greedy_drafts_equal_the_runners_path(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    chained_calls = _count_chained(monkeypatch)
     want, want_tokens = _proposals(llm, chained=False)
     assert not chained_calls
     got, got_tokens = _proposals(llm, chained=True)
@@ -69,3 +65,31 @@ def test_chained_greedy_drafts_equal_the_runners_path(llm: LLM, monkeypatch: pyt
     assert any(chained_calls) and not all(chained_calls)  # chained, across grown tables too
     accepted = llm.engine.speculative.stats
     assert 0 < accepted.num_accepted_tokens < accepted.num_draft_tokens
+
+
+STORIES_PROMPTS = ["Once upon a time", "The dog ran to the park and", "Tom had a big red ball.", "One day,"]
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+])
+def test_chained_drafts_on_stories260k(stories_path: str, draft_dir: str, device: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same oracle on stories260K and a perturbed copy of it as the draft (a full
+    vocabulary head), on the CPU and, where there is one, the GPU (the target's CUDA graphs
+    beside the draft's chained eager forwards)."""
+    llm = LLM(stories_path, device=device, draft=draft_dir, num_speculative_tokens=6, adaptive_k=False,
+              block_size=4, num_blocks=512)
+    chained_calls = _count_chained(monkeypatch)
+    params = _params((6, 2, 5, 3), max_tokens=48)
+    want, want_tokens = recorded_proposals(llm, STORIES_PROMPTS, params, chained=False)
+    assert not chained_calls
+    got, got_tokens = recorded_proposals(llm, STORIES_PROMPTS, params, chained=True)
+    assert got_tokens == want_tokens
+    assert len(got) == len(want) > 10
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert a == b, f"proposal {step} differs"
+    assert any(chained_calls) and not all(chained_calls)
+    stats = llm.engine.speculative.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
