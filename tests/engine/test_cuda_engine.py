@@ -161,8 +161,9 @@ def test_cuda_graphs_equal_eager(gpu: LLM, eager: LLM) -> None:
         _same(a, b)
     sampled = [SamplingParams(max_tokens=n, temperature=0.9, top_p=0.95, seed=i, ignore_eos=True)
                for i, n in enumerate(lengths)]
-    for a, b in zip(gpu.generate(PROMPTS, sampled), eager.generate(PROMPTS, sampled)):
+    for a, b, n in zip(gpu.generate(PROMPTS, sampled), eager.generate(PROMPTS, sampled), lengths):
         assert a.token_ids == b.token_ids
+        assert len(a.token_ids) == n and a.outputs[0].finish_reason == "length"  # not both failed
 
 
 def test_speculative_verification_replays_graphs(stories_path: str, draft_dir: str, eager: LLM) -> None:
@@ -174,3 +175,28 @@ def test_speculative_verification_replays_graphs(stories_path: str, draft_dir: s
     for a, b in zip(spec.generate(PROMPTS[:3], params), eager.generate(PROMPTS[:3], params)):
         assert a.token_ids == b.token_ids
     assert 12 <= max(spec.engine.runner.graphs.graphs)  # 3 sequences x 4 rows
+
+
+def test_seeded_sampling_on_the_gpu(stories_path: str, draft_dir: str, gpu: LLM) -> None:
+    """Seeded requests sample on the GPU with generators on the GPU: every one finishes, the
+    same seed gives the same tokens alone and in a batch, n > 1 samples differ, and the
+    speculative engine's sampled drafts and verification draw from them too. (Until
+    2026-11-27 every seeded request on CUDA failed: its generator was on the CPU.)"""
+    def params(seed: int, **kw) -> SamplingParams:
+        return SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=seed, ignore_eos=True, **kw)
+
+    [alone] = gpu.generate(PROMPTS[:1], params(3))
+    batch = gpu.generate(PROMPTS, [params(3)] + [params(10 + i) for i in range(5)])
+    assert len(alone.token_ids) == 24 and batch[0].token_ids == alone.token_ids
+    assert all(len(o.token_ids) == 24 for o in batch)
+    [many] = gpu.generate(PROMPTS[:1], params(5, n=3))
+    assert len({tuple(o.token_ids) for o in many.outputs}) > 1
+    assert all(len(o.token_ids) == 24 for o in many.outputs)
+    spec = LLM(stories_path, device="cuda", num_blocks=512, block_size=16, draft=draft_dir,
+               num_speculative_tokens=3)
+    first = spec.generate(PROMPTS, [params(20 + i) for i in range(6)])
+    again = spec.generate(PROMPTS, [params(20 + i) for i in range(6)])
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert all(len(o.token_ids) == 24 for o in first)
+    stats = spec.engine.speculative.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens

@@ -39,8 +39,9 @@ def test_window_policy_equals_sliding_window_attention(llm: LLM) -> None:
     engine = llm.engine
     runner = engine.runner
     model = engine.loaded.model
-    full_layers = model._full_attention_layers
+    full_layers, graphs = model._full_attention_layers, runner.graphs
     model._full_attention_layers = [False] * len(full_layers)  # every layer takes the window
+    runner.graphs = None  # on a GPU: captured graphs would replay without the mask set below
     rid = engine.add_request(PROMPT, _greedy(logprobs=True))
     outs = {}
     try:
@@ -52,7 +53,7 @@ def test_window_policy_equals_sliding_window_attention(llm: LLM) -> None:
                 outs[out.request_id] = out
     finally:
         runner.sliding_window = None
-        model._full_attention_layers = full_layers
+        model._full_attention_layers, runner.graphs = full_layers, graphs
     masked = outs[rid]
     assert ring.token_ids == masked.token_ids
     torch.testing.assert_close(

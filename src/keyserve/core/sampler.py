@@ -118,11 +118,16 @@ def processed_probs(
 def exponential_noise(
     num_rows: int, vocab: int, generators: list[torch.Generator | None], device: torch.device | str
 ) -> torch.Tensor:  # [num_rows, vocab] float32
-    """Exp(1) noise; rows with a generator draw from it, the rest from the global RNG."""
+    """Exp(1) noise; rows with a generator draw from it, the rest from the global RNG. A
+    generator draws on its own device (torch refuses a CPU generator for CUDA draws)."""
     noise = torch.empty(num_rows, vocab, device=device).exponential_()
     for row, gen in enumerate(generators):
-        if gen is not None:
+        if gen is None:
+            continue
+        if gen.device == noise.device:
             noise[row].exponential_(generator=gen)
+        else:
+            noise[row] = torch.empty(vocab, device=gen.device).exponential_(generator=gen).to(noise.device)
     return noise
 
 
@@ -147,7 +152,8 @@ def sample(
 
 
 def make_generator(seed: int | None, sample_index: int, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A per-sequence generator for seeded requests (None: use the global RNG)."""
+    """A per-sequence generator for seeded requests (None: use the global RNG), on the device
+    its draws are made on."""
     if seed is None:
         return None
     gen = torch.Generator(device=device)

@@ -106,7 +106,7 @@ class Drafter:
             mirror = Sequence(target.request_id, list(tokens), target.params, arrival=target.arrival)
             self.mirrors[target.seq_id] = mirror
             seed = None if target.params.seed is None else target.params.seed ^ 0x5EED
-            self.generators[target.seq_id] = make_generator(seed, target.sample_index)
+            self.generators[target.seq_id] = make_generator(seed, target.sample_index, self.runner.device)
             kv_budget = self.budget.for_prompt(target.num_prompt_tokens)
             if kv_budget is not None:
                 self.mirror_budgets[target.seq_id] = kv_budget

@@ -277,7 +277,7 @@ class ModelRunner:
             self.seq_infos[seq_id] = info
             if seq_id not in self.generators:  # a generator's stream survives a rescheduling
                 try:
-                    self.generators[seq_id] = make_generator(info.params.seed, info.sample_index)
+                    self.generators[seq_id] = make_generator(info.params.seed, info.sample_index, self.device)
                 except Exception as e:  # noqa: BLE001 — its seed; fails it alone
                     failed[seq_id] = describe_failure("seed", e)
         self.copy_blocks(step.block_copies)
