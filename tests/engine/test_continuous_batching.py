@@ -108,6 +108,24 @@ def test_n_samples_share_prompt_blocks_and_are_seeded(llm: LLM) -> None:
     assert [o.token_ids for o in mixed[0].outputs] == [o.token_ids for o in a.outputs]
 
 
+def test_a_request_of_n_samples_aborted_before_its_first_token_ends_with_n_completions(llm: LLM) -> None:
+    """Its siblings have not forked yet (they fork at the first sample); they end with it, one
+    completion per sample, as after a first token; no block stays held."""
+    engine = llm.engine
+    params = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
+    rid = engine.add_request(" ".join(WORDS), params)
+    out = engine.abort(rid)
+    assert out is not None and out.finished
+    assert [(o.index, o.finish_reason, o.token_ids) for o in out.outputs] == [(i, "abort", []) for i in range(4)]
+    rid = engine.add_request(" ".join(WORDS), params)
+    engine.step()
+    out = engine.abort(rid)
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    assert all(o.finish_reason == "abort" and len(o.token_ids) == 1 for o in out.outputs)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_stop_conditions(llm: LLM) -> None:
     prompt = "once upon a time"
     [free] = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))

@@ -461,21 +461,15 @@ class LLMEngine:
 
     def _abort_seqs(self, req: _Request) -> None:
         """Finish every sequence of an aborted or failed request (blocks freed, model-side state
-        released, unforked siblings forgotten); the caller pops the request."""
+        released); the caller pops the request. Siblings that never forked (it ended before its
+        first token) end with it, so its last output still has one completion per sample."""
         for seq in req.all_seqs:
             if not seq.is_finished:
                 self._finish(seq, FinishReason.ABORT)
                 result = self.core.finish(seq.seq_id, FinishReason.ABORT)
                 self._apply_seq_stats(result.seq_stats)
                 self._apply_ops(result.ops)
-        self._drop_pending_forks(req)
-
-    def _drop_pending_forks(self, req: _Request) -> None:
-        """Siblings that never forked (their request ended first) are forgotten with it."""
-        for seq in req.pending_forks:
-            self._seq_owner.pop(seq.seq_id, None)
-            self._seqs.pop(seq.seq_id, None)
-        req.pending_forks = []
+        req.seqs, req.pending_forks = req.all_seqs, []
 
     def _recover_failed_step(self, error: Exception) -> StepFailedError:
         """A step raised outside every per-request guard: fail the requests it touched -- its
