@@ -359,8 +359,13 @@ class _EngineOptions(_Strict):
     @classmethod
     def _none_is_the_default(cls, data: Any) -> Any:
         """An engine option given as None (``model=None``, ``max_num_seqs: null``) keeps its
-        default, as ``EngineConfig.from_flat`` and ``LLM(model=None)`` do."""
+        default, as ``EngineConfig.from_flat`` and ``LLM(model=None)`` do; an option given by
+        both its names (``tp`` and ``tensor_parallel_size``) is refused as such."""
         if isinstance(data, dict):
+            for path, flat in _RENAMED.items():
+                given = [name for name in (flat, path[-1]) if data.get(name) is not None]
+                if len(given) == 2:  # else pydantic would call the second an extra input
+                    raise ValueError(f"{flat} and {path[-1]} name the same option: give one of them")
             return {k: v for k, v in data.items() if v is not None or k not in FLAT_NAMES}
         return data
 

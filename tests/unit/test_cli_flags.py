@@ -192,6 +192,10 @@ def test_python_api_and_serve_args_build_the_same_config() -> None:
     # None for an engine option keeps its default (LLM(model=None), `max_num_seqs: null` in args).
     assert ServeConfig(model=None, max_num_seqs=None, tp=None).engine_config() == EngineConfig()
     assert ServeConfig(request_timeout_s=None).request_timeout_s is None  # a server field's None stays
+    # Both names of one option: refused as such, not as an "extra input".
+    with pytest.raises(ValueError, match="tp and tensor_parallel_size name the same option"):
+        EngineConfig.from_flat(tp=2, tensor_parallel_size=2)
+    assert EngineConfig.from_flat(tp=2, tensor_parallel_size=None).parallel.tensor_parallel_size == 2
 
 
 def test_generate_sampling_flags_build_sampling_params() -> None:
