@@ -43,6 +43,16 @@ SCHEMA_ERRORS = [
     ("relative batch input", {"batchJob": {"enabled": True, "input": "in.jsonl"}}, ["/batchJob/input"]),
     ("batch job without a claim", {"batchJob": {"enabled": True, "data": {"existingClaim": ""}}},
      ["/batchJob/data/existingClaim"]),
+    # Label and annotation maps: Kubernetes would refuse what they render. (Helm names a bad
+    # key itself, not its map: its schema library reports propertyNames at the root.)
+    ("label key with a space", {"commonLabels": {"my team": "a"}}, ["invalid propertyName 'my team'"]),
+    ("label key with two slashes", {"head": {"labels": {"a/b/c": "x"}}}, ["invalid propertyName 'a/b/c'"]),
+    ("label value too long", {"worker": {"labels": {"team": "x" * 64}}}, ["/worker/labels/team", "maxLength"]),
+    ("label value with a slash", {"commonLabels": {"team": "a/b"}}, ["/commonLabels/team", "does not match pattern"]),
+    ("node selector key with a colon", {"worker": {"nodeSelector": {"gpu:type": "a100"}}},
+     ["invalid propertyName 'gpu:type'"]),
+    ("annotation key with a space", {"serviceMonitor": {"enabled": True, "labels": {"release": "x"}},
+                                     "head": {"annotations": {"bad key": "v"}}}, ["invalid propertyName 'bad key'"]),
 ]
 
 # Rules that span keys: checked by the templates.
