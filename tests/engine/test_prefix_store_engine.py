@@ -47,12 +47,17 @@ def gather(llm: LLM, table: list[int], slots: torch.Tensor) -> torch.Tensor:  # 
                         for k, v in llm.engine.runner.kv_caches]).cpu()
 
 
-def first_step(llm: LLM, ids: list[int], params: SamplingParams):
-    """Admit and prefill one request; returns (request id, its sequence)."""
+def first_step(llm: LLM, ids: list[int], params: SamplingParams, whole_prompt: bool = True):
+    """Admit and prefill one request (``whole_prompt``: every step of its prompt -- a prompt
+    scored by attention stops a step at the store's chunk boundary; else one step); returns
+    (request id, its sequence)."""
     engine = llm.engine
     rid = engine.add_request(ids, params)
     engine.step()
-    return rid, engine.requests[rid].seqs[0]
+    seq = engine.requests[rid].seqs[0]
+    while whole_prompt and seq.num_computed_tokens < len(ids) and not seq.is_finished:
+        engine.step()
+    return rid, seq
 
 
 def finish(llm: LLM, rid: str) -> list[int]:
@@ -210,7 +215,8 @@ def test_layers_load_different_counts_and_generate_what_attention_over_them_does
     nd.load_all[2] = True  # as if layer 2's three heads had disagreed
     half = m // 2
     k = half + q // 2  # below the whole prompt: H2O evicts; above half - q: no top-up needed
-    rid, seq = first_step(llm, prompt, greedy(10, kv_policy="h2o", kv_budget=float(k)))
+    rid, seq = first_step(llm, prompt, greedy(10, kv_policy="h2o", kv_budget=float(k)),
+                          whole_prompt=step_tokens is None)
     assert seq.num_cached_tokens == m
     # per layer: the important half and the recent window's part of the prefix; layer 2 all
     held, chunks = importance_load(nd, m, len(prompt) - seq.kv_budget.num_recent)
@@ -340,11 +346,14 @@ def test_storing_waits_for_the_step_after_the_first_token(stories_path: str, tmp
     engine, ps = llm.engine, llm.engine.prefix_store
     ids = engine.encode_prompt(STORY)
     rid = engine.add_request(ids, greedy(3, kv_policy="h2o", kv_budget=0.5))
-    outs = engine.step()  # the whole prompt in one step
-    assert outs[0].token_ids and ps.store.stats.stored_tokens == 0
-    assert ps.pending_tokens == len(ids) - len(ids) % BLOCK
-    engine.step()
     aligned = len(ids) - len(ids) % BLOCK
+    outs = engine.step()  # the prompt up to its last chunk boundary: the scores stored are as of there
+    assert not outs or not outs[0].token_ids
+    assert engine.requests[rid].seqs[0].num_computed_tokens == aligned
+    outs = engine.step()  # the rest of the prompt and the first token
+    assert outs[0].token_ids and ps.store.stats.stored_tokens == 0
+    assert ps.pending_tokens == aligned
+    engine.step()
     assert ps.pending_tokens == 0 and ps.store.stats.stored_tokens == aligned
     assert ps.store.match_length(ids, need_scores=True) == aligned
     finish(llm, rid)
@@ -459,3 +468,28 @@ def test_layer_pooling_follows_the_servers_default_budget(stories_path: str, tmp
         llm.generate("Once upon a time", greedy(8, kv_score_pooling="layer"))
     [ok] = llm.generate("Once upon a time", greedy(8, kv_policy="full", kv_score_pooling="layer"))
     assert len(ok.token_ids) == 8
+
+
+@pytest.mark.parametrize("policy, budget", [("h2o", 5), ("keyformer", 0.3)])
+def test_repeated_budgeted_request_loads_scores_of_its_stored_prefix_only(
+    stories_path: str, tmp_path: Path, policy: str, budget: float
+) -> None:
+    """A prompt that does not end on a chunk boundary is stored up to its last whole chunk; the
+    scores stored with that prefix must hold the attention of the queries before the boundary
+    only. The same request again loads the prefix and computes the tail itself: with the tail's
+    attention stored too it was counted twice, and the selection (and the tokens) differed from
+    the request without a store."""
+    llm = make(stories_path, tmp_path, load_important_only=False)
+    ids = llm.engine.encode_prompt(STORY)
+    assert len(ids) % BLOCK  # a tail past the last whole chunk
+    params = greedy(12, kv_policy=policy, kv_budget=budget, seed=3)
+    [first] = llm.generate([ids], params)
+    rid, seq = first_step(llm, ids, params)
+    assert seq.num_cached_tokens == len(ids) - len(ids) % BLOCK  # a store hit
+    kept = llm.engine.runner.budget.states[seq.seq_id].positions.cpu().clone()
+    ref = make(stories_path)
+    rid_ref, seq_ref = first_step(ref, ids, params)
+    want = ref.engine.runner.budget.states[seq_ref.seq_id].positions.cpu()
+    assert torch.equal(kept.sort(-1).values, want.sort(-1).values)
+    assert finish(llm, rid) == finish(ref, rid_ref) == first.token_ids
+    llm.engine.close()

@@ -91,6 +91,16 @@ def _hold_back_last(seq: Sequence, n: int, uncomputed: int) -> int:
     return n
 
 
+def _stop_at_boundary(seq: Sequence, n: int, boundary: int | None) -> int:
+    """A step's token count for ``seq``, cut so the step ends at ``boundary`` when it would
+    cross it (the prefix store's chunk boundary of a prompt scored by attention: the scores
+    of the queries before it are the ones stored with the prefix)."""
+    done = seq.num_computed_tokens
+    if boundary is not None and done < boundary < done + n:
+        return boundary - done
+    return n
+
+
 def _seats(seq: Sequence) -> int:
     """Seats a sequence will occupy: a first sample that has not produced a token yet will
     fork its n - 1 siblings into the running set."""
@@ -127,6 +137,10 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
 
+    def _score_boundary(self, seq: Sequence) -> int | None:
+        boundary = getattr(self.prefix_loader, "score_boundary", None)
+        return boundary(seq) if boundary is not None else None
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -144,6 +158,7 @@ class Scheduler:
             if n < uncomputed and self._wait_for_whole(uncomputed, n):
                 break
             n = _hold_back_last(seq, n, uncomputed)
+            n = _stop_at_boundary(seq, n, self._score_boundary(seq))
             if n <= 0:
                 i += 1
                 continue
@@ -191,6 +206,7 @@ class Scheduler:
             n = min(uncomputed, budget)
             waits = self._wait_for_whole(uncomputed, n)
             n = _hold_back_last(seq, n, uncomputed)
+            n = _stop_at_boundary(seq, n, self._score_boundary(seq))
             copies = None if waits else bm.allocate_slots(seq, n, cached)
             if copies is None:
                 if self.prefix_loader is not None:

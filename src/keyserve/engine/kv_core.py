@@ -189,6 +189,8 @@ class KVCore:
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             bm.commit_computed(item.seq)
+            if self.prefix_hook is not None:
+                self.prefix_hook.on_computed(item.seq)  # type: ignore[attr-defined]
         live = [it for it in plan.scheduled if it.seq.seq_id in emitted and it.seq.seq_id in self.seqs]
         for item in live:
             seq = item.seq

@@ -80,6 +80,9 @@ class EnginePrefixStore:
         self._loaded: set[int] = set()  # seq_ids whose blocks came from a load this admission
         self._quiet: set[int] = set()  # seq_ids being undone: do not store them on free
         self._pending: list[_PendingInsert] = []  # copied out, stored at the next flush
+        # seq_id -> its scores when its computed prompt reached ``score_boundary`` (queries
+        # before the boundary only: those a request loading the prefix does not recompute)
+        self._boundary_scores: dict[int, torch.Tensor] = {}
         bm.on_free = self.on_free
         core.scheduler.prefix_loader = self  # type: ignore[attr-defined]
         core.prefix_hook = self  # type: ignore[attr-defined]
@@ -130,12 +133,43 @@ class EnginePrefixStore:
             return
         self._defer(seq.token_ids[:computed], list(seq.block_table), None)
 
+    def score_boundary(self, seq: Sequence) -> int | None:
+        """Where a prompt scored by attention stops a step (``Scheduler``): the end of its last
+        whole chunk, the length it is stored at. The scores stored with a prefix must hold the
+        attention of the queries before that end only: a request that loads the prefix computes
+        the rest itself and adds its own (the stored prompt's tail counted again, else)."""
+        kv_budget = seq.kv_budget
+        if kv_budget is None or not kv_budget.by_score or kv_budget.last_query_only:
+            return None
+        if seq.kv_slot_cap is not None:  # compacted: its prompt phase is over
+            return None
+        end = self.store.tree.aligned(seq.num_tokens)
+        return end if self.store.chunk <= end < seq.num_tokens else None
+
+    def on_computed(self, seq: Sequence) -> None:
+        """A step was committed: keep the scores of a prompt whose computed part just reached
+        its ``score_boundary`` (before the rest of the prompt adds its queries' attention)."""
+        end = self.score_boundary(seq)
+        if end is None or seq.num_computed_tokens != end:
+            return
+        state = self.runner.budget.get(seq)  # type: ignore[attr-defined]
+        if state is None or state.num_slots != end:
+            return
+        if not bool((state.positions[..., :end] == torch.arange(end, device=state.device)).all()):
+            return
+        self._boundary_scores[seq.seq_id] = state.scores[..., :end].float().cpu().clone()
+
     def on_prompt_computed(self, seq: Sequence) -> None:
         """A budgeted prompt is computed (or its sequence ends first) and not yet compacted:
         store it with the attention scores its policy accumulated (the importance), if its KV
         is exact."""
+        boundary = self._boundary_scores.pop(seq.seq_id, None)
         state = self.runner.budget.get(seq)  # type: ignore[attr-defined]
         if state is None or seq.num_computed_tokens < self.store.chunk:
+            return
+        if boundary is not None and state.kv_budget.by_score:
+            end = boundary.shape[-1]
+            self._defer(seq.token_ids[:end], list(seq.block_table), boundary)
             return
         n = state.num_slots
         if n != seq.num_computed_tokens or n > len(seq.block_table) * self.block_size:
@@ -276,6 +310,7 @@ class EnginePrefixStore:
         if seq.seq_id not in self._loaded:
             return
         self._loaded.discard(seq.seq_id)
+        self._boundary_scores.pop(seq.seq_id, None)
         self._quiet.add(seq.seq_id)
         try:
             self.bm.free(seq)
