@@ -364,6 +364,31 @@ def test_storing_waits_for_the_step_after_the_first_token(stories_path: str, tmp
     llm.engine.close()
 
 
+def test_a_store_directory_removed_while_serving_is_made_again(stories_path: str, ref: LLM, tmp_path: Path) -> None:
+    """Its files are gone (counted misses, recomputed); what is stored next is written to the
+    directory made again, and hits. (Every later write failed: found by a hostile-input sweep.)"""
+    import shutil
+
+    llm = make(stories_path, tmp_path, device_tokens=0, host_tokens=0)  # every chunk on the disk
+    disk = llm.engine.prefix_store.store.disk
+    llm.generate(STORY, greedy())
+    disk.drain()
+    shutil.rmtree(disk.root)
+    other = STORY.replace("Lily", "Mia")
+    [want] = ref.generate(other, greedy())
+    llm.generate(other, greedy())  # computed, stored again
+    disk.drain()
+    assert list(Path(disk.root).glob("*.kv"))
+    [out] = llm.generate(other, greedy())
+    assert out.token_ids == want.token_ids and out.stats.prefix_cache_hit_tokens > 0
+    llm.engine.close()
+
+
+def test_a_host_tier_too_large_to_allocate_names_its_option(stories_path: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"prefix_store_host_tokens"):
+        make(stories_path, tmp_path, host_tokens=10**9)
+
+
 def test_corrupt_chunk_file_is_recomputed_and_counted(stories_path: str, ref: LLM, tmp_path: Path) -> None:
     llm = make(stories_path, tmp_path)
     llm.generate(STORY, greedy())

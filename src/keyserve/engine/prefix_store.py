@@ -68,7 +68,13 @@ class EnginePrefixStore:
         self.reserved = [bm.pool.allocate().block_id for _ in range(reserve)]
         device = BlockPoolChunks(kv, self.reserved, chunk) if reserve else None
         host_slots = config.host_tokens // chunk
-        host = HostChunks(num_layers, host_slots, shape, dtype) if host_slots else None
+        try:
+            host = HostChunks(num_layers, host_slots, shape, dtype) if host_slots else None
+        except (RuntimeError, MemoryError) as e:  # the allocator's own words name no option
+            need = num_layers * host_slots * torch.Size(shape).numel() * dtype.itemsize
+            raise ValueError(f"prefix store host tier of {config.host_tokens} tokens needs "
+                             f"{need / 2**30:.1f} GiB of host memory, which cannot be allocated "
+                             f"(prefix_store_host_tokens): {e}") from None
         low = None if config.disk_unimportant_dtype == "same" else getattr(torch, config.disk_unimportant_dtype)
         disk = DiskTier(config.disk_path, int(config.disk_max_gb * (1 << 30)), shape, dtype,
                         config.disk_cold_reads, low_dtype=low)

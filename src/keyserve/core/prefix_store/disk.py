@@ -253,6 +253,7 @@ class DiskTier:
 def _write_file(final: Path, data: memoryview, sync: bool) -> None:
     """Write ``data`` to ``final`` atomically (a temporary name, then a rename): readers see no
     file or the whole file. ``sync``: to the device, so its pages can be dropped before reads."""
+    final.parent.mkdir(parents=True, exist_ok=True)  # removed under us (a cleaner, an operator)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.stem}.", suffix=".tmp", dir=final.parent)
     try:
         with os.fdopen(fd, "wb") as f:
