@@ -121,13 +121,19 @@ class RayLLM(LLM):
         self.engine = RayEngine(config)
 
     def stream(
-        self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | None = None
+        self, prompts: str | list[str] | list[list[int]], sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
-        """Every request's snapshot as soon as a step accepted tokens for it (last one finished)."""
+        """Every request's snapshot as soon as a step accepted tokens for it (last one finished).
+        Prompts as ``generate`` takes them (one text or token-id list is one prompt); a prompt
+        refused raises with none of them left queued."""
+        if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], Integral)):
+            prompts = [prompts]  # type: ignore[list-item]
+        _check_prompts(prompts)
         engine = self.engine
-        ids = [engine.add_request(p, sampling_params, prompt_token_ids=p if isinstance(p, list) else None)
-               for p in prompts]
+        ids: list[str] = []
         try:
+            for p in prompts:
+                ids.append(engine.add_request(p, sampling_params, prompt_token_ids=None if isinstance(p, str) else list(p)))
             while engine.has_unfinished_requests():
                 yield from engine.step()
         finally:

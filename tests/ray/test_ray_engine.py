@@ -152,3 +152,24 @@ def test_streams_through_the_async_front(stories_path: str) -> None:
             eng.shutdown()
     assert len(seen) > 1 and seen[-1] == want.token_ids
     assert all(seen[i] == seen[-1][: len(seen[i])] for i in range(len(seen)))
+
+
+def test_stream_takes_prompts_as_generate_does_and_leaves_none_behind(stories_path: str) -> None:
+    """``RayLLM.stream``: a refused prompt raises with none of the prompts before it left
+    running in the engine (they used to stay queued, unseen, and run in the next call), and one
+    text is one prompt (it used to be streamed as one request per character)."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with RayLLM(stories_path, worker_threads=1, **OPTIONS) as ray_llm:
+        [want] = ray_llm.generate("once upon a time", params)
+        with pytest.raises(ValueError, match="empty"):
+            list(ray_llm.stream(["once upon a time", ""], params))
+        assert not ray_llm.engine.requests and not ray_llm.engine.has_unfinished_requests()
+        with pytest.raises(ValueError, match="prompt 1"):
+            list(ray_llm.stream(["once upon a time", 3.5], params))  # type: ignore[list-item]
+        snapshots = list(ray_llm.stream("once upon a time", params))
+        assert {s.prompt for s in snapshots} == {"once upon a time"}
+        assert snapshots[-1].finished and snapshots[-1].outputs[0].token_ids == want.outputs[0].token_ids
+        [by_ids] = [s for s in ray_llm.stream(want.prompt_token_ids, params) if s.finished]
+        assert by_ids.outputs[0].token_ids == want.outputs[0].token_ids
+        counts = ray_llm.engine.check_consistent()
+        assert counts.num_free_blocks == counts.num_blocks

@@ -44,3 +44,38 @@ def test_ray_engine_fails_a_poison_alone(stories_path: str, monkeypatch) -> None
         assert counts.num_free_blocks == counts.num_blocks and not engine.requests
         [again] = ray_llm.generate(PROMPTS[0], good[0])
         assert again.token_ids == want[0].token_ids
+
+
+def test_requests_of_the_callers_own_types_cross_to_the_actors(stories_path: str) -> None:
+    """A ``SamplingParams`` subclass, a ``str``-subclass request id and ``int``-subclass token
+    ids, of classes the actors cannot import (defined here, as in a caller's script), run on the
+    default step path (the relay, plain pickles) as in one process. They used to fail their
+    whole step there ("the actor closed its step channel"), and every later step with it: the
+    engine kept sending the batch that carried them."""
+
+    class MyParams(SamplingParams):
+        pass
+
+    class Rid(str):
+        pass
+
+    class Tok(int):
+        pass
+
+    want = LLM(stories_path, num_blocks=128).generate(PROMPTS[:3], SamplingParams(**GREEDY))
+    with RayLLM(stories_path, worker_threads=1, num_blocks=128) as ray_llm:
+        engine = ray_llm.engine
+        assert engine.relayed
+        tokens = [Tok(t) for t in engine.encode_prompt(PROMPTS[1])]
+        rids = [
+            engine.add_request(PROMPTS[0], MyParams(**GREEDY)),
+            engine.add_request(PROMPTS[1], SamplingParams(**GREEDY), request_id=Rid("mine"), prompt_token_ids=tokens),
+            engine.add_request(PROMPTS[2], SamplingParams(**GREEDY)),
+        ]
+        finished = engine.run_until_done()
+        assert [finished[rid].token_ids for rid in rids] == [w.token_ids for w in want]
+        assert all(finished[rid].error is None for rid in rids)
+        [again] = ray_llm.generate(PROMPTS[0], SamplingParams(**GREEDY))
+        assert again.token_ids == want[0].token_ids
+        counts = engine.check_consistent()
+        assert counts.num_free_blocks == counts.num_blocks

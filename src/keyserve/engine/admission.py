@@ -75,12 +75,48 @@ def admit_params(params: Any, limits: EngineLimits) -> SamplingParams:
             raise InvalidParamError(f"{name} must be true or false", name)
     _budget(p, limits, update)
     _speculative(p, limits)
-    return p.model_copy(update=update) if update else p
+    admitted = p.model_copy(update=update) if update else p
+    return _plain_params(admitted)
 
 
 def check_token_ids(ids: Any, field: str, vocab_size: int) -> list[int]:
-    """Token ids (a prompt, forced tokens) as a list of ints in ``[0, vocab_size)``."""
-    return list(_token_ids(ids, field, vocab_size))
+    """Token ids (a prompt, forced tokens) as a list of plain ints in ``[0, vocab_size)`` (an
+    ``int`` subclass is taken as its value: see ``_plain``)."""
+    return [int(t) for t in _token_ids(ids, field, vocab_size)]
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with builtin types only (a ``str`` / ``int`` / ``float`` subclass as its value,
+    lists and tuples element by element). What a request carries crosses to the Ray engine's
+    actors as a plain pickle (``actors/step_channel.py``), which names a value's class: one the
+    actor cannot import (a subclass defined in the caller's script) would fail the whole step
+    there, and every step after it."""
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        if type(value) is list and all(a is b for a, b in zip(items, value)):
+            return value
+        return items
+    return value
+
+
+def _plain_params(p: SamplingParams) -> SamplingParams:
+    """``p`` as a ``SamplingParams`` itself (not a subclass) whose fields hold builtin values
+    (``_plain``); ``p`` unchanged when it already is one."""
+    fields = {name: getattr(p, name) for name in SamplingParams.model_fields}
+    plain = {name: _plain(value) for name, value in fields.items()}
+    if type(p) is SamplingParams and all(plain[k] is fields[k] for k in fields):
+        return p
+    return SamplingParams.model_construct(**plain)
 
 
 # ------------------------------------------------------------------------------------ fields

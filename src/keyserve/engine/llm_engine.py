@@ -190,7 +190,8 @@ class LLMEngine:
             )
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise ValueError(f"request_id must be a non-empty string (or None for a fresh one), not {request_id!r}")
-        request_id = request_id or f"req-{next(self._ids)}"
+        # a str subclass as plain text: the id crosses to the Ray engine's actors (``admission._plain``)
+        request_id = str.__str__(request_id) if request_id else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = time.monotonic()
