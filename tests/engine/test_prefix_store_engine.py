@@ -364,6 +364,25 @@ def test_storing_waits_for_the_step_after_the_first_token(stories_path: str, tmp
     llm.engine.close()
 
 
+def test_full_policy_requests_never_load_kv_the_disk_keeps_rounded(stories_path: str, ref: LLM, tmp_path: Path) -> None:
+    """With ``disk_unimportant_dtype`` a budgeted request's unimportant chunks are float16 on
+    disk. A full-policy request's KV must be what recomputing gives: it stops its match before
+    such a node and computes it (it loaded the rounded KV: found by a hostile-input sweep);
+    a budgeted request still loads it."""
+    llm = make(stories_path, tmp_path, disk_unimportant_dtype="float16", top_k_fraction=0.1,
+               check_agreement=False, device_tokens=0, host_tokens=0)
+    ids = llm.engine.encode_prompt(STORY)
+    llm.generate([ids], greedy(1, kv_policy="h2o", kv_budget=0.5))  # stored with its importance
+    llm.engine.prefix_store.store.disk.drain()
+    question = llm.engine.encode_prompt(" Where did the ball go? It went")[1:]
+    [out] = llm.generate([ids + question], greedy(16))
+    [want] = ref.generate([ids + question], greedy(16))
+    assert out.token_ids == want.token_ids and out.stats.prefix_cache_hit_tokens == 0
+    [budgeted] = llm.generate([ids + question], greedy(4, kv_policy="h2o", kv_budget=0.5))
+    assert budgeted.stats.prefix_cache_hit_tokens > 0
+    llm.engine.close()
+
+
 def test_a_store_directory_removed_while_serving_is_made_again(stories_path: str, ref: LLM, tmp_path: Path) -> None:
     """Its files are gone (counted misses, recomputed); what is stored next is written to the
     directory made again, and hits. (Every later write failed: found by a hostile-input sweep.)"""

@@ -233,7 +233,8 @@ class EnginePrefixStore:
         tokens = seq.token_ids
         self.store.stats.lookups += 1
         need_scores = self._needs_scores(seq)
-        m = self.store.match_length(tokens, max_tokens, need_scores)
+        exact = seq.kv_budget is None  # the full policy: never KV the disk tier rounded
+        m = self.store.match_length(tokens, max_tokens, need_scores, exact)
         if m <= start:
             return cached
         # Load only if the whole first step fits now (else the normal path decides).
@@ -245,7 +246,7 @@ class EnginePrefixStore:
         important = need_scores and self.config.load_important_only
         floor = self._tokens_per_layer_floor(seq, m) if important else 0
         recent = self._recent_from(seq) if important else None
-        loaded = self.store.load(tokens, max_tokens, start, important, need_scores, floor, recent)
+        loaded = self.store.load(tokens, max_tokens, start, important, need_scores, floor, recent, exact)
         if loaded is None or loaded.num_tokens <= start:
             return cached
         m = loaded.num_tokens

@@ -321,16 +321,23 @@ class PrefixStore:
                 self.data[tier].write(layer, list(moves), torch.cat([d for _, d in moves.values()]))
 
     # ------------------------------------------------------------------ loads
-    def _match(self, tokens: list[int], max_tokens: int | None, need_scores: bool) -> list:
+    def _match(self, tokens: list[int], max_tokens: int | None, need_scores: bool, exact: bool = False) -> list:
+        """The stored path of ``tokens``: with ``need_scores`` up to the first node stored without
+        attention scores; with ``exact`` up to the first node with chunks the disk tier keeps
+        rounded to its ``low_dtype`` (a full-policy request's KV must be the computed KV)."""
         path = self.tree.match(tokens, max_tokens)
-        if need_scores:  # a score-driven KV budget needs the stored attention scores
+        rounded = exact and self.disk.low_dtype is not None
+        if need_scores or rounded:
             for i, step in enumerate(path):
-                if step.node.payload.scores is None:
+                nd = step.node.payload
+                if (need_scores and nd.scores is None) or (rounded and bool(self._low_chunks(nd).any())):
                     return path[:i]
         return path
 
-    def match_length(self, tokens: list[int], max_tokens: int | None = None, need_scores: bool = False) -> int:
-        return sum(s.num_tokens for s in self._match(tokens, max_tokens, need_scores))
+    def match_length(
+        self, tokens: list[int], max_tokens: int | None = None, need_scores: bool = False, exact: bool = False,
+    ) -> int:
+        return sum(s.num_tokens for s in self._match(tokens, max_tokens, need_scores, exact))
 
     def load(
         self,
@@ -341,6 +348,7 @@ class PrefixStore:
         need_scores: bool = False,
         min_per_layer: int | None = 0,
         recent_from: int | None = None,
+        exact: bool = False,
     ) -> LoadedPrefix | None:
         """KV of the longest stored prefix of ``tokens`` (at most ``max_tokens``) beyond
         ``start``: every token, or with ``important_only`` each node's important tokens per
@@ -348,12 +356,12 @@ class PrefixStore:
         ``recent_from`` on (the request's recent window, which H2O keeps whatever the scores),
         topped up to ``min_per_layer`` tokens per layer with the next in storage order (None: to
         as many as the layer loading the most, so every layer holds the same count). With
-        ``need_scores`` only nodes stored with attention scores count. None if nothing is
-        stored."""
+        ``need_scores`` only nodes stored with attention scores count; with ``exact`` only nodes
+        with no chunk rounded on disk (``_match``). None if nothing is stored."""
         t0 = time.perf_counter()
         try:
             return self._load(tokens, max_tokens, start, important_only, need_scores, min_per_layer,
-                              recent_from)
+                              recent_from, exact)
         finally:
             self.stats.load_seconds += time.perf_counter() - t0
 
@@ -392,10 +400,11 @@ class PrefixStore:
         need_scores: bool = False,
         min_per_layer: int | None = 0,
         recent_from: int | None = None,
+        exact: bool = False,
     ) -> LoadedPrefix | None:
         """``load`` without the clock; a corrupt chunk drops its node and retries the lookup."""
         while True:
-            path = self._match(tokens, max_tokens, need_scores)
+            path = self._match(tokens, max_tokens, need_scores, exact)
             m = sum(s.num_tokens for s in path)
             if m <= start:
                 return None
