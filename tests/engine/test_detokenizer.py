@@ -97,3 +97,54 @@ def test_full_decode_fallback_without_a_rust_backend(tokenizer):
     for t in ids:
         detok.append(t)
     assert detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_flush_gives_the_text_still_held(tokenizer):
+    """A trailing U+FFFD the model wrote (a valid character) and a character cut short by the
+    last token are held by the stream as if more bytes could follow; at the end of the sample
+    ``flush`` gives them, so the text is the tokenizer's full decode."""
+    whole = tokenizer.encode("Hi 🙂", add_special_tokens=False)
+    for ids in (tokenizer.encode("Hello \ufffd", add_special_tokens=False), whole[:-1]):
+        detok = IncrementalDetokenizer(tokenizer, [])
+        pieces = [detok.append(t) for t in ids] + [detok.flush()]
+        assert detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+        assert "".join(pieces) == detok.text
+
+
+def test_flushed_text_meets_stop_strings(tokenizer):
+    ids = tokenizer.encode("Hello \ufffd", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, ["\ufffd"])
+    for t in ids:
+        detok.append(t)
+    detok.flush()
+    assert detok.stopped_at is not None and detok.text == "Hello "
+
+
+def test_restart_after_rewritten_bytes_keeps_the_next_words_space(stories_path):
+    """A byte token that is a character on its own, then a stray byte: the full decode turns
+    both into U+FFFD, so the stream cannot go on. The text after it keeps its word-initial
+    space, and the stray byte shows as U+FFFD."""
+    tok = AutoTokenizer.from_pretrained(stories_path)
+    ids = (tok.encode("Hello", add_special_tokens=False) + tok.convert_tokens_to_ids(["<0x41>", "<0xC1>"])
+           + tok.encode(" big world", add_special_tokens=False))
+    detok = IncrementalDetokenizer(tok, [])
+    pieces = [detok.append(t) for t in ids]
+    assert "".join(pieces) == detok.text
+    assert detok.text.endswith("\ufffd big world")
+
+
+def test_engine_text_is_the_full_decode_at_the_end(stories_path):
+    """Through the engine (teacher forcing makes it emit these tokens): the finished text has
+    what the stream still held."""
+    from keyserve import LLM, SamplingParams
+
+    llm = LLM(stories_path, num_blocks=64, block_size=16)
+    tok = llm.engine.tokenizer
+    for ids in (tok.encode("Hello \ufffd", add_special_tokens=False),
+                tok.encode("Hi 🙂", add_special_tokens=False)[:-2]):
+        rid = llm.engine.add_request("Once upon a time", SamplingParams(max_tokens=1), forced_token_ids=ids)
+        out = None
+        while out is None:
+            out = next((o for o in llm.engine.step() if o.request_id == rid and o.finished), None)
+        assert out.token_ids == ids
+        assert out.text == tok.decode(ids, skip_special_tokens=True)

@@ -46,6 +46,7 @@ from keyserve.config import EngineConfig, ServeConfig
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from keyserve.engine.outputs import CompletionOutput, RequestOutput
+from keyserve.engine.token_bytes import TokenBytes
 
 Kind = Literal["completions", "chat"]
 DONE = "data: [DONE]\n\n"
@@ -338,13 +339,14 @@ class OpenAIServing:
 
     def _token_strings(self, token_ids: list[int], start: int) -> list[str]:
         """The text each token adds, decoded with a few tokens of context (so word-initial
-        spaces survive, as in the generated text)."""
+        spaces survive, as in the generated text) and without special tokens, as the text is
+        (a special token adds nothing, so later ``text_offset``s still point into the text)."""
         tok = self.engine.tokenizer
         pieces = []
         for i in range(start, len(token_ids)):
             ctx = token_ids[max(0, i - 4):i]
-            before = tok.decode(ctx) if ctx else ""
-            pieces.append(tok.decode(ctx + [token_ids[i]])[len(before):])
+            before = tok.decode(ctx, skip_special_tokens=True) if ctx else ""
+            pieces.append(tok.decode(ctx + [token_ids[i]], skip_special_tokens=True)[len(before):])
         return pieces
 
     def _completion_logprobs(self, token_ids: list[int], start: int, logprobs: list[float] | None,
@@ -356,10 +358,18 @@ class OpenAIServing:
             offset += len(s)
         return CompletionLogprobs(tokens=strings, token_logprobs=list(logprobs or []), text_offset=offsets)
 
+    def _token_bytes(self) -> TokenBytes:
+        """The tokenizer's ``TokenBytes`` (built once: it reads the tokenizer's decoder)."""
+        cached = getattr(self, "_token_bytes_cache", None)
+        if cached is None or cached.tokenizer is not self.engine.tokenizer:
+            cached = self._token_bytes_cache = TokenBytes(self.engine.tokenizer)
+        return cached
+
     def _chat_logprobs(self, token_ids: list[int], start: int, logprobs: list[float] | None) -> ChatLogprobs:
+        token_bytes = self._token_bytes()
         entries = [
-            ChatTokenLogprob(token=s, logprob=lp, bytes=list(s.encode()))
-            for s, lp in zip(self._token_strings(token_ids, start), logprobs or [])
+            ChatTokenLogprob(token=s, logprob=lp, bytes=token_bytes.of(t, s))
+            for t, s, lp in zip(token_ids[start:], self._token_strings(token_ids, start), logprobs or [])
         ]
         return ChatLogprobs(content=entries)
 

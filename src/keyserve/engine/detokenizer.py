@@ -20,6 +20,14 @@ def _stream_backend(tokenizer: Any) -> Any | None:
     return backend
 
 
+def _primed_stream(ids: list[int]) -> Any:
+    """A fresh ``DecodeStream`` that has seen ``ids`` (older tokenizers: a bare one)."""
+    try:
+        return DecodeStream(ids=list(ids), skip_special_tokens=True)
+    except TypeError:  # pragma: no cover - tokenizers without a prefill
+        return DecodeStream(skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     """Keeps the text of the generated tokens and finds stop strings as tokens arrive.
 
@@ -43,18 +51,32 @@ class IncrementalDetokenizer:
         self.stopped_at: int | None = None  # length of text before the stop string
         self._backend = _stream_backend(tokenizer)
         self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
+        self._pending: list[int] = []  # ids given since the stream's last piece (it holds them)
+        self._context: list[int] = []  # the ids of that piece: decode context for ``_tail``
+
+    def _tail(self, ids: list[int]) -> str:
+        """The text ``ids`` add after the last piece's ids, as a full decode gives it (the
+        context keeps a word-initial space that a decode starting at ``ids`` would strip)."""
+        decode = self.tokenizer.decode
+        base = decode(self._context, skip_special_tokens=True) if self._context else ""
+        full = decode(self._context + ids, skip_special_tokens=True)
+        return full[len(base):] if full.startswith(base) else decode(ids, skip_special_tokens=True)
 
     def append(self, token_id: int) -> str:
         """Add one token; return the newly visible text (empty while a stop string is held)."""
         previous = len(self.text)
         if self._stream is not None:
+            self._pending.append(token_id)
             try:
                 piece = self._stream.step(self._backend, token_id)
             except Exception:  # noqa: BLE001 — invalid bytes rewrote the window: start afresh
-                self._stream = DecodeStream(skip_special_tokens=True)
-                piece = self._stream.step(self._backend, token_id)
+                # The held ids' text from a full decode after the last piece, then a stream
+                # that has seen them (a fresh one would drop the next word's leading space).
+                piece = self._tail(self._pending)
+                self._stream = _primed_stream(self._pending)
             if not piece:  # an incomplete UTF-8 sequence (or a skipped special token)
                 return ""
+            self._context, self._pending = self._pending, []
             self.text += piece
         else:
             self._ids.append(token_id)
@@ -62,6 +84,30 @@ class IncrementalDetokenizer:
             if new_text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
                 return ""
             self.text = new_text
+        return self._check_stop(previous)
+
+    def flush(self) -> str:
+        """At the end of the sample: the text of the tokens still held -- a character cut short
+        (shown as U+FFFD, as the tokenizer's decode shows it) or a trailing U+FFFD the model
+        wrote, which the stream holds as if more bytes could follow -- checked for stop
+        strings like any other text. Afterwards ``text`` holds the text of every token."""
+        if self.stopped_at is not None:
+            return ""
+        previous = len(self.text)
+        if self._stream is not None:
+            if not self._pending:
+                return ""
+            piece = self._tail(self._pending)
+            self._context, self._pending = self._pending, []
+            self.text += piece
+        else:
+            new_text = self.tokenizer.decode(self._ids, skip_special_tokens=True)
+            if len(new_text) <= previous or not new_text.startswith(self.text):
+                return ""
+            self.text = new_text
+        return self._check_stop(previous)
+
+    def _check_stop(self, previous: int) -> str:
         if self.stop:
             start = max(0, previous - self.max_stop_len + 1)
             hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]

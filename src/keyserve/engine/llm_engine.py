@@ -551,6 +551,9 @@ class LLMEngine:
         elif len(outputs) >= p.max_tokens or len(seq.prompt_token_ids) + len(outputs) >= self.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:
+            detok.flush()  # what the stream still holds: a character cut short, a trailing U+FFFD
+            if detok.stopped_at is not None:
+                reason = FinishReason.STOP
             self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
