@@ -519,3 +519,42 @@ def test_many_concurrent_requests_tiny_pool_preempts_and_matches_solo() -> None:
     assert eng.sched.num_preemptions > 0
     solo = solo_outputs(requests, 4)
     assert [[r.seqs[0].output_token_ids] for r in requests] == solo
+
+
+class _Boundaries:
+    """A prefix loader that only names step boundaries (the prefix store's ``score_boundary``:
+    a prompt scored by attention stops a step at its last whole chunk)."""
+
+    def __init__(self, at: dict[int, int]) -> None:
+        self.at = at  # seq_id -> boundary
+
+    def score_boundary(self, seq: Sequence) -> int | None:
+        return self.at.get(seq.seq_id)
+
+    def load(self, seq, cached, budget):  # the scheduler asks it for stored prefixes too
+        return cached
+
+
+def test_a_step_stops_at_a_score_boundary_and_goes_on_after_it() -> None:
+    """Prefill steps never cross a boundary the prefix loader names (they end on it), whether
+    the prompt starts waiting or is mid-way through chunked prefill; the outputs are the ones
+    without boundaries."""
+    def run(boundaries: bool) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+        eng = FakeEngine(num_blocks=64, max_num_batched_tokens=12)
+        a = eng.add([1, 2, 0] * 7, max_tokens=3)[0]  # 21 tokens: boundary 16
+        b = eng.add([2, 1] * 5, max_tokens=3)[0]  # 10 tokens: boundary 8
+        if boundaries:
+            eng.sched.prefix_loader = _Boundaries({a.seq_id: 16, b.seq_id: 8})
+        spans = {a.seq_id: [], b.seq_id: []}
+        while eng.sched.has_work:
+            eng.step()
+            for seq, start, n in eng.history[-1]:
+                if seq.seq_id in spans and start < seq.num_prompt_tokens:
+                    spans[seq.seq_id].append((start, start + n))
+        return [a.output_token_ids, b.output_token_ids], [spans[a.seq_id], spans[b.seq_id]]
+
+    plain_out, _ = run(False)
+    out, (spans_a, spans_b) = run(True)
+    assert out == plain_out
+    assert all(not (s < 16 < e) for s, e in spans_a) and any(e == 16 for _, e in spans_a)
+    assert all(not (s < 8 < e) for s, e in spans_b) and any(e == 8 for _, e in spans_b)
