@@ -1,4 +1,4 @@
-"""A token's bytes for chat logprobs (``engine/token_bytes.py``): the bytes of every output
+"""A token's bytes for chat logprobs (``cluster/token_bytes.py``): the bytes of every output
 token, concatenated, are the UTF-8 of the text -- also where a character is split over tokens,
 whose decoded pieces are U+FFFD (their bytes came out as U+FFFD's own: found by a sweep)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from keyserve.engine.token_bytes import TokenBytes
+from keyserve.cluster.token_bytes import TokenBytes
 from keyserve.model.paths import DEFAULT_MODEL_NAME, models_dir
 
 TEXT = "Hi こむ 🙂 naïve"

@@ -46,7 +46,7 @@ from keyserve.config import EngineConfig, ServeConfig
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from keyserve.engine.outputs import CompletionOutput, RequestOutput
-from keyserve.engine.token_bytes import TokenBytes
+from keyserve.cluster.token_bytes import TokenBytes
 
 Kind = Literal["completions", "chat"]
 DONE = "data: [DONE]\n\n"
