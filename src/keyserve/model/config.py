@@ -104,7 +104,10 @@ class ModelConfig:
         if not isinstance(cfg, dict):
             raise ValueError(f"{path} must hold a JSON object, not {type(cfg).__name__}")
         try:
-            return _parse(cfg)
+            tie_default = False
+            if cfg.get("tie_word_embeddings") is None:
+                tie_default = _checkpoint_lacks_lm_head(Path(path).parent)
+            return _parse(cfg, tie_default)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e
 
@@ -124,7 +127,32 @@ def _positive(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     return int(value)
 
 
-def _parse(cfg: dict[str, Any]) -> ModelConfig:
+def _checkpoint_lacks_lm_head(directory: Path) -> bool:
+    """For a config.json that does not say whether the LM head is tied: True when the
+    directory's safetensors checkpoint holds no ``lm_head.weight`` (the head can only be the
+    embedding), False when it holds one or cannot be read (transformers' default, untied)."""
+    from safetensors import safe_open
+
+    from keyserve.model.weights import SHARD_INDEX, safetensors_files
+
+    try:
+        index = directory / SHARD_INDEX
+        if index.is_file():
+            with open(index, encoding="utf-8") as f:
+                names = set(json.load(f)["weight_map"])
+        else:
+            names = set()
+            for file in safetensors_files(directory):
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    names.update(f.keys())
+    except Exception:  # unreadable here: the weight loader names the problem
+        return False
+    return bool(names) and "lm_head.weight" not in names
+
+
+def _parse(cfg: dict[str, Any], tie_default: bool = False) -> ModelConfig:
+    """``tie_default``: whether the LM head is tied when the config does not say (transformers'
+    Llama, Mistral and Qwen2 configs default to untied)."""
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures") or []
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -173,7 +201,9 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope=parse_rope(cfg, max_pos),
         max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        tie_word_embeddings=(
+            tie_default if cfg.get("tie_word_embeddings") is None else bool(cfg["tie_word_embeddings"])
+        ),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -213,12 +243,35 @@ def _sliding_window(
     return int(window), layers
 
 
+def _check_rope_spellings_agree(new: Any, old: Any) -> None:
+    """A config with both ``rope_parameters`` and ``rope_scaling`` (e.g. scaling added by hand to
+    a transformers-5 config, as model cards instruct) is ambiguous: transformers follows
+    ``rope_scaling``, so silently reading ``rope_parameters`` would compute other logits."""
+    if not (isinstance(new, dict) and isinstance(old, dict) and new and old):
+        return
+    if "full_attention" in new or "sliding_attention" in new:
+        return  # refused below
+
+    def kind(d: dict[str, Any]) -> Any:
+        return d.get("rope_type", d.get("type", "default"))
+
+    differ = [k for k, v in old.items() if k not in ("type", "rope_type") and new.get(k) != v]
+    if kind(new) != kind(old):
+        differ = [f"rope type {kind(new)!r} vs {kind(old)!r}", *differ]
+    if differ:
+        raise ValueError(
+            f"rope_parameters {new} and rope_scaling {old} disagree ({', '.join(differ)}); keep "
+            "one of them (transformers follows rope_scaling, keyserve will not guess)"
+        )
+
+
 def parse_rope(cfg: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
     """Normalise the three spellings transformers has used over time.
 
     transformers 5 writes ``rope_parameters: {rope_type, rope_theta, ...}``; 4.x wrote a top-level
     ``rope_theta`` plus ``rope_scaling: {rope_type|type, factor, ...}`` (or null).
     """
+    _check_rope_spellings_agree(cfg.get("rope_parameters"), cfg.get("rope_scaling"))
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     if "full_attention" in params or "sliding_attention" in params:
         raise ValueError("per-layer-type rope_parameters are not supported")
