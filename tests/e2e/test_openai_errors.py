@@ -235,6 +235,21 @@ def test_timeout_while_streaming_ends_the_stream_with_an_error_event(server: Liv
     server.wait_idle(timeout=10)
 
 
+def test_timeout_while_streaming_counts_as_a_408(server: LiveServer) -> None:
+    """The status is already 200 when the deadline hits mid-stream; the error event's 408
+    still counts in request_rejected_total, as the non-streamed 408 does."""
+    server.wait_idle()
+    before = server.metrics().get("keyserve:request_rejected_total{408}", 0.0)
+    body = {"prompt": "Once upon a time", "max_tokens": 500, "n": MAX_NUM_SEQS, "ignore_eos": True, "stream": True}
+    with slow_steps(server), httpx.stream("POST", server.base_url + "/completions", json=body, headers=AUTH,
+                                          timeout=60) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line]
+    assert '"request_timeout"' in events[-2]
+    server.wait_idle(timeout=10)
+    assert server.metrics().get("keyserve:request_rejected_total{408}", 0.0) == before + 1
+
+
 def test_a_timeout_of_several_prompts_is_408_too(server: LiveServer) -> None:
     """Several prompts in one request are several engine requests merged into one response:
     their timeout is the same 408 (not a 500 from closing a stream a pump was still reading),

@@ -324,7 +324,10 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001
             if not sent:
                 raise
-            yield sse(to_api_error(e, retry_after_s=self.config.retry_after_s).body())
+            err = to_api_error(e, retry_after_s=self.config.retry_after_s)
+            if self.metrics is not None:  # the 200 is sent: count the failure by its own status
+                self.metrics.observe_rejected(err.status)
+            yield sse(err.body())
             yield DONE
         finally:
             await chunks.aclose()
