@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+
+from keyserve.model.weights import SHARD_INDEX, safetensors_files
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -131,10 +134,6 @@ def _checkpoint_lacks_lm_head(directory: Path) -> bool:
     """For a config.json that does not say whether the LM head is tied: True when the
     directory's safetensors checkpoint holds no ``lm_head.weight`` (the head can only be the
     embedding), False when it holds one or cannot be read (transformers' default, untied)."""
-    from safetensors import safe_open
-
-    from keyserve.model.weights import SHARD_INDEX, safetensors_files
-
     try:
         index = directory / SHARD_INDEX
         if index.is_file():
