@@ -163,12 +163,16 @@ class ChatMessage(_Request):
     name: str | None = None
 
     def as_template_dict(self) -> dict[str, str]:
-        """What the tokenizer's chat template expects (developer is the system role)."""
+        """What the tokenizer's chat template expects (developer is the system role); ``name``
+        reaches the template, as in vLLM."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(p.text for p in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out = {"role": role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -52,6 +52,22 @@ def _describe(error: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message as the tokenizer's template gets it, from every entry point alike
+    (``LLM.chat``, the OpenAI server, batch jobs): ``developer`` is the system role, no content
+    is ``""`` and text parts are joined by newlines (as vLLM joins them); every other key
+    (``name``, ...) reaches the template as it came."""
+    out = dict(message)
+    content = out.get("content")
+    if content is None:
+        out["content"] = ""
+    elif isinstance(content, list):
+        out["content"] = "\n".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    if out.get("role") == "developer":
+        out["role"] = "system"
+    return out
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -141,13 +157,14 @@ class LLMEngine:
                              "are: pass the text, or chat=False")
         return list(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
         from jinja2 import TemplateError  # transformers renders chat templates with jinja2
 
         try:
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            out = self.tokenizer.apply_chat_template([template_message(m) for m in messages],
+                                                     add_generation_prompt=True, tokenize=True)
         except TemplateError as e:  # the template's own check (e.g. "roles must alternate"): the caller's input
             raise ValueError(f"the model's chat template refused these messages: {e}") from e
         if isinstance(out, dict) or hasattr(out, "input_ids"):
