@@ -27,6 +27,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from keyserve.cluster.errors import APIError
+from keyserve.cluster.json_body import loads_marked
+
 DUPLICATE_CODE = "duplicate_custom_id"
 
 
@@ -46,9 +49,9 @@ class InputLine:
 
 def custom_id_of(raw: str) -> str | None:
     """The line's ``custom_id`` if it is a non-empty string in a JSON object, else None."""
-    try:
-        obj = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError):
+    try:  # as process_line parses it: an int of > 4300 digits does not hide the custom_id
+        obj = loads_marked(raw)
+    except (ValueError, RecursionError, APIError):
         return None
     cid = obj.get("custom_id") if isinstance(obj, dict) else None
     return cid if isinstance(cid, str) and cid else None
@@ -81,7 +84,7 @@ def _record_mark(line: bytes) -> tuple[str, bool] | None:
     """(custom_id, is a duplicate_custom_id error) of one output line, None if unreadable."""
     try:
         rec = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # bad JSON or UTF-8, or an int of > 4300 digits
         return None
     if not isinstance(rec, dict) or not isinstance(rec.get("custom_id"), str):
         return None

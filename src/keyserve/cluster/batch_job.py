@@ -34,8 +34,9 @@ from typing import Any
 from keyserve.cluster.batch_io import DUPLICATE_CODE, InputLine, OutputBusyError, OutputLog, read_input
 from keyserve.cluster.batch_retry import RetryPolicy, is_transient
 from keyserve.cluster.cli_args import add_model_fields, flag_errors
-from keyserve.cluster.errors import APIError, bad_request, to_api_error
+from keyserve.cluster.errors import APIError, to_api_error
 from keyserve.cluster.help_format import PlainHelpFormatter
+from keyserve.cluster.json_body import loads_marked
 from keyserve.cluster.openai_serving import OpenAIServing
 from keyserve.config import ServeConfig
 from keyserve.engine.async_engine import EngineDeadError
@@ -72,22 +73,6 @@ def _record(custom_id: str, status: int | None, body: dict | None, error: dict |
             "error": error}
 
 
-def _lone_surrogate_field(obj: Any, field: str | None = None) -> str | None:
-    """The top-level field of a JSON value holding text with a lone UTF-16 surrogate."""
-    if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-        except UnicodeEncodeError:
-            return field or "body"
-        return None
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
-    for k, v in items:
-        found = _lone_surrogate_field(v, field or (str(k) if isinstance(obj, dict) else None))
-        if found:
-            return found
-    return None
-
-
 async def process_line(serving: Any, line: InputLine) -> dict:
     """One input line -> its output record (one attempt); never raises."""
     key, lineno = line.key, line.lineno
@@ -99,9 +84,9 @@ async def process_line(serving: Any, line: InputLine) -> dict:
         line.raw.encode("utf-8")
     except UnicodeEncodeError:
         return _record(key, None, None, {"code": "invalid_utf8", "message": f"line {lineno}: not UTF-8 text"})
-    try:
-        obj = json.loads(line.raw)
-    except (json.JSONDecodeError, RecursionError) as e:
+    try:  # parsed as the server parses a body: check_json (in handle) reports what it marks
+        obj = loads_marked(line.raw)
+    except (json.JSONDecodeError, APIError) as e:  # APIError: nested too deep to parse
         return _record(key, None, None, {"code": "invalid_json", "message": f"line {lineno}: {e}"})
     if not isinstance(obj, dict) or not isinstance(obj.get("custom_id"), str) or not obj["custom_id"]:
         return _record(key, None, None, {"code": "missing_custom_id",
@@ -112,10 +97,6 @@ async def process_line(serving: Any, line: InputLine) -> dict:
                        f"line {lineno}: url must be POST {' or '.join(URLS)}, got {method} {url}"})
     if isinstance(body, dict) and body.get("stream"):
         err = APIError(400, "stream is not supported in batch jobs", param="stream")
-        return _record(key, err.status, err.body(), None)
-    field = _lone_surrogate_field(body)
-    if field is not None:
-        err = bad_request(f"{field}: text contains a lone UTF-16 surrogate", field)
         return _record(key, err.status, err.body(), None)
     try:
         response = await serving.handle(URLS[url], body)

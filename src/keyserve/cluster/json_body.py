@@ -73,7 +73,20 @@ def parse_json_sync(raw: bytes) -> Any:
     return value
 
 
-def _loads(raw: bytes, big_ints: bool) -> Any:
+def loads_marked(raw: str | bytes) -> Any:
+    """``json.loads`` as the server parses a body, without the checks: a non-finite number
+    (``NaN``, ``1e400``) or an integer of more than 4300 digits is marked for ``check_json``
+    to report with its field. Raises ``json.JSONDecodeError`` / ``UnicodeDecodeError`` on bad
+    JSON, ``APIError`` when it is nested too deep for the parser."""
+    try:
+        return _loads(raw, big_ints=False)
+    except ValueError as e:
+        if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+            raise
+        return _loads(raw, big_ints=True)
+
+
+def _loads(raw: str | bytes, big_ints: bool) -> Any:
     kwargs: dict[str, Any] = {"parse_float": _float, "parse_constant": _NotFinite}
     if big_ints:
         kwargs["parse_int"] = _int
