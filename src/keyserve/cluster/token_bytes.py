@@ -28,12 +28,20 @@ def _byte_level_alphabet() -> dict[str, int]:
     return chars
 
 
-def _decoder_type(tokenizer: Any) -> str | None:
+def _decoder_types(tokenizer: Any) -> set[str]:
+    """Every decoder type in the tokenizer's decoder, a ``Sequence``'s members included."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        return None
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
-    return decoder.get("type")
+        return set()
+    found: set[str] = set()
+    todo = [json.loads(backend.to_str()).get("decoder") or {}]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("type"), str):
+                found.add(node["type"])
+            todo.extend(node.get("decoders") or [])
+    return found
 
 
 class TokenBytes:
@@ -41,7 +49,7 @@ class TokenBytes:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.byte_level = _decoder_type(tokenizer) == "ByteLevel"
+        self.byte_level = "ByteLevel" in _decoder_types(tokenizer)
         self.special = set(getattr(tokenizer, "all_special_ids", []) or [])
 
     def of(self, token_id: int, text: str) -> list[int]:
