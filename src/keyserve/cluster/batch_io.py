@@ -51,7 +51,7 @@ def custom_id_of(raw: str) -> str | None:
     """The line's ``custom_id`` if it is a non-empty string in a JSON object, else None."""
     try:  # as process_line parses it: an int of > 4300 digits does not hide the custom_id
         obj = loads_marked(raw)
-    except (ValueError, RecursionError, APIError):
+    except (ValueError, APIError):  # bad JSON; APIError: nested too deep to parse
         return None
     cid = obj.get("custom_id") if isinstance(obj, dict) else None
     return cid if isinstance(cid, str) and cid else None

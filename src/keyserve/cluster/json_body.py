@@ -63,12 +63,9 @@ async def parse_json(raw: bytes) -> Any:
 
 def parse_json_sync(raw: bytes) -> Any:
     try:
-        value = _loads(raw, big_ints=False)
-    except ValueError as e:
-        if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
-            raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-        # An integer of more than 4300 digits: parse again, marking such numbers, to name the field.
-        value = _loads(raw, big_ints=True)
+        value = loads_marked(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     check_json(value)
     return value
 
@@ -83,6 +80,7 @@ def loads_marked(raw: str | bytes) -> Any:
     except ValueError as e:
         if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
             raise
+        # An integer of more than 4300 digits: parse again, marking such numbers, to name the field.
         return _loads(raw, big_ints=True)
 
 
