@@ -75,3 +75,27 @@ def test_work_from_other_threads_runs_while_a_channel_is_open() -> None:
     assert _call(client, "echo", 2) == 2
     client.close()
     assert compute.run(lambda: 6) == 6  # a closed connection is dropped, the thread goes on
+
+
+def test_a_connection_whose_serving_fails_is_dropped_and_the_thread_goes_on() -> None:
+    """Whatever escapes a connection's server drops that connection, not the thread every
+    later step runs on (an exception that ended it left the actor alive, never answering)."""
+    import socket
+
+    compute = ComputeThread()
+    ours, theirs = socket.socketpair()
+
+    def serve_one(conn: socket.socket) -> bool:
+        conn.recv(1)
+        raise ValueError("a bug in serving")
+
+    compute.adopt(ours, serve_one)
+    theirs.settimeout(30)
+    theirs.sendall(b"x")
+    assert theirs.recv(1) == b""  # dropped: closed on our side
+    names: list[str] = []
+    caller = threading.Thread(target=lambda: names.append(compute.run(lambda: threading.current_thread().name)),
+                              daemon=True)
+    caller.start()
+    caller.join(30)  # a dead compute thread would leave the caller waiting forever
+    assert names == ["keyserve-compute"]

@@ -76,6 +76,28 @@ def test_an_unpicklable_error_still_arrives() -> None:
         _call(client, "fail")
 
 
+def test_a_message_the_actor_cannot_read_is_answered_with_an_error() -> None:
+    """A message that does not unpickle in the actor (a class it cannot import), names no
+    handler, or is not a ``(method, args)`` pair is answered with an error the caller raises,
+    and the connection serves the next message. Before, the decoding error escaped the server:
+    it closed the connection, and on a ``ComputeThread`` it ended the thread, so every later
+    step of that actor waited forever."""
+    import pickle
+
+    _, address = _endpoint(add=lambda a, b: a + b)
+    client = ChannelClient(address, TOKEN)
+    unreadable = b"cnowhere.module\nThing\n."  # a pickle naming a class no actor can import
+    with pytest.raises(ModuleNotFoundError):
+        pickle.loads(unreadable)
+    for payload, match in ((unreadable, "could not read"), (encode(("nope", ())), "no handler 'nope'"),
+                           (encode(42), "could not read")):
+        client.send(payload)
+        with pytest.raises(RuntimeError, match=match):
+            client.recv()
+        assert _call(client, "add", 2, 3) == 5  # still served, on the same connection
+    client.close()
+
+
 def test_a_connection_without_the_token_is_refused() -> None:
     _, address = _endpoint(echo=lambda x: x)
     with pytest.raises(ChannelClosed, match="refused"):

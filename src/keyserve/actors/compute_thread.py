@@ -26,6 +26,7 @@ deadlock.
 
 from __future__ import annotations
 
+import logging
 import queue
 import selectors
 import socket
@@ -35,6 +36,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class ComputeThread:
@@ -73,9 +75,21 @@ class ComputeThread:
                     self._run_queued()
                     continue
                 conn: socket.socket = key.fileobj  # type: ignore[assignment]
-                if not key.data(conn):  # the handler takes the lock itself (ChannelServer._reply)
+                if not self._serve(key.data, conn):
                     self._selector.unregister(conn)
                     conn.close()
+
+    @staticmethod
+    def _serve(serve_one: Callable[[socket.socket], bool], conn: socket.socket) -> bool:
+        """One message on ``conn`` (the handler takes the lock itself: ``ChannelServer._reply``);
+        False drops the connection. Whatever escapes the server drops that connection only: this
+        thread is every later step's, and an exception ending it would leave the actor alive
+        but never answering again."""
+        try:
+            return serve_one(conn)
+        except Exception:  # noqa: BLE001 — logged; the sender sees its channel closed
+            log.exception("step channel: serving a message failed; the connection is dropped")
+            return False
 
     def _run_queued(self) -> None:
         try:

@@ -89,9 +89,31 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def _recv(sock: socket.socket) -> object:
+def _recv_frame(sock: socket.socket) -> bytearray:
     (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    return decode(_recv_exact(sock, n))
+    return _recv_exact(sock, n)
+
+
+def _recv(sock: socket.socket) -> object:
+    return decode(_recv_frame(sock))
+
+
+def _request(frame: bytearray) -> tuple[str, tuple]:
+    """A message as ``(method, args)``; ``UnreadableMessage`` for one that does not unpickle
+    here (e.g. a class this process cannot import) or is not such a pair. The frame was read
+    whole, so the connection stays in step for the next message."""
+    try:
+        method, args = decode(frame)
+    except Exception as e:  # noqa: BLE001 — whatever unpickling raises, the sender hears it
+        raise UnreadableMessage(f"the actor could not read the message: {type(e).__name__}: {e}") from None
+    if not isinstance(method, str) or not isinstance(args, tuple):
+        raise UnreadableMessage(f"the actor could not read the message: not a (method, args) pair "
+                                f"but ({type(method).__name__}, {type(args).__name__})")
+    return method, args
+
+
+class UnreadableMessage(RuntimeError):
+    """A step-channel message the actor could not decode (answered to its sender)."""
 
 
 class ChannelServer:
@@ -147,10 +169,14 @@ class ChannelServer:
         """Read one message and answer it (a relayed one on the engine's destination
         connection); False once the sender went away (or reconnects)."""
         try:
-            method, args = _recv(conn)  # type: ignore[misc]
+            frame = _recv_frame(conn)
         except (ChannelClosed, OSError):
             return False
-        payload = self._reply(method, args)
+        try:
+            payload = self._reply(*_request(frame))
+        except UnreadableMessage as e:
+            log.warning("step channel: %s", e)
+            payload = encode((False, e))
         to = self.destination if relayed else conn
         if to is None:
             log.warning("step channel: a relayed %r has no engine to answer", method)
@@ -163,9 +189,12 @@ class ChannelServer:
         return True
 
     def _reply(self, method: str, args: tuple) -> bytes:
+        handler = self.handlers.get(method)
+        if handler is None:
+            return encode((False, UnreadableMessage(f"the actor has no handler {method!r}")))
         try:
             with self.lock:
-                value = self.handlers[method](*args)
+                value = handler(*args)
             return encode((True, value))
         except Exception as e:  # noqa: BLE001 — the caller raises it
             try:
