@@ -80,11 +80,22 @@ def test_yarn_defaults_original_context_to_max_positions() -> None:
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         ({"num_key_value_heads": 3}, "not a multiple"),
         ({"pretraining_tp": 2}, "pretraining_tp"),
+        # quantized checkpoints: their tensors are packed integers or fp8 with scales, which a
+        # float model would load as garbage (or refuse one tensor at a time, naming none of it)
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized checkpoint.*gptq"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantized checkpoint.*fp8"),
+        ({"quantization_config": {"load_in_4bit": True}}, "quantized checkpoint.*unknown"),
+        ({"compression_config": {"quant_method": "compressed-tensors"}}, "quantized checkpoint.*compressed-tensors"),
     ],
 )
 def test_unsupported_configs_raise(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict({**BASE, **overrides})
+
+
+def test_an_empty_quantization_config_is_no_quantization() -> None:
+    assert ModelConfig.from_dict({**BASE, "quantization_config": None}).hidden_size == BASE["hidden_size"]
+    assert ModelConfig.from_dict({**BASE, "quantization_config": {}}).hidden_size == BASE["hidden_size"]
 
 
 def test_sliding_window_layers() -> None:

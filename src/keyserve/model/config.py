@@ -149,6 +149,21 @@ def _checkpoint_lacks_lm_head(directory: Path) -> bool:
     return bool(names) and "lm_head.weight" not in names
 
 
+def _refuse_quantized(cfg: dict[str, Any]) -> None:
+    """A quantized checkpoint (GPTQ, AWQ, bitsandbytes, fp8, compressed-tensors) stores packed
+    integers or fp8 tensors with scales: keyserve's float model would refuse it one tensor at a
+    time (``qweight``, ``weight_scale``: "unexpected weight") or, where names and shapes happen
+    to fit, load it as garbage. Refused whole, naming the method."""
+    for key in ("quantization_config", "compression_config"):
+        q = cfg.get(key)
+        if q:
+            method = q.get("quant_method", "unknown") if isinstance(q, dict) else "unknown"
+            raise ValueError(
+                f"quantized checkpoint ({key} quant_method {method!r}) is not supported: keyserve "
+                "loads float16 / bfloat16 / float32 weights (dequantize the checkpoint first)"
+            )
+
+
 def _parse(cfg: dict[str, Any], tie_default: bool = False) -> ModelConfig:
     """``tie_default``: whether the LM head is tied when the config does not say (transformers'
     Llama, Mistral and Qwen2 configs default to untied)."""
@@ -167,6 +182,7 @@ def _parse(cfg: dict[str, Any], tie_default: bool = False) -> ModelConfig:
         raise ValueError(f"unsupported hidden_act {act!r}: the SwiGLU MLP needs 'silu'")
     if cfg.get("pretraining_tp", 1) not in (1, None):
         raise ValueError("pretraining_tp > 1 (split-matmul Llama 2 variant) is not supported")
+    _refuse_quantized(cfg)
 
     hidden = _positive(cfg, "hidden_size")
     heads = _positive(cfg, "num_attention_heads")
