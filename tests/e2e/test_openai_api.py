@@ -96,7 +96,7 @@ def test_stream_is_sse_ending_in_done(server: LiveServer, model: str) -> None:
 
 
 def test_logprobs(server: LiveServer, model: str) -> None:
-    out = server.client().completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=1)
+    out = server.client().completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=0)
     lp = out.choices[0].logprobs
     assert len(lp.token_logprobs) == out.usage.completion_tokens == len(lp.tokens)
     assert all(x <= 0.0 for x in lp.token_logprobs)

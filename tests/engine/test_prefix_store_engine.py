@@ -495,8 +495,9 @@ def test_layer_pooling_is_refused_with_a_store(stories_path: str, tmp_path: Path
     assert err.value.param == "kv_score_pooling"
     [ok] = llm.generate("Once upon a time", greedy(8, kv_policy="h2o", kv_budget=0.5, kv_score_window="last"))
     assert len(ok.token_ids) == 8
-    # no policy named: the server's default (full) evicts nothing, so the option is harmless
-    [ok] = llm.generate("Once upon a time", greedy(8, kv_budget=0.5, kv_score_pooling="layer"))
+    # a policy that evicts nothing (full) with a budget: the option is harmless (a budget with no
+    # policy named, under the server's default full, is refused: see admission._budget)
+    [ok] = llm.generate("Once upon a time", greedy(8, kv_policy="full", kv_budget=0.5, kv_score_pooling="layer"))
     assert len(ok.token_ids) == 8
 
 

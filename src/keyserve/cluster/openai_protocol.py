@@ -39,7 +39,9 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = Field(False, description="Send a last chunk with the usage (empty choices).")
-    continuous_usage_stats: bool = Field(False, description="Accepted for vLLM clients; ignored.")
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM's: with include_usage, every chunk carries the usage so far."
+    )
 
 
 class _SamplingFields(_Request):
@@ -115,6 +117,11 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM's ``continuous_usage_stats``, which needs ``include_usage``)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 MaxTokens = _sp(int, "max_tokens")
 PromptIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -128,7 +135,8 @@ class CompletionRequest(_SamplingFields):
         16, description="Tokens to generate at most (default 16; at most the context length)."
     )
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
-        None, description="Return the chosen tokens' log-probabilities (alternatives: not supported)."
+        None, description="0: return the chosen tokens' log-probabilities (alternatives, 1 and up: "
+        "not supported)."
     )
     echo: bool = Field(False, description="Prepend the prompt to the text.")
     suffix: str | None = Field(None, description="Not supported.")
@@ -138,6 +146,9 @@ class CompletionRequest(_SamplingFields):
         bad = self._unsupported()
         if self.suffix:
             bad.append(("suffix", "suffix is not supported"))
+        if self.logprobs:  # OpenAI's logprobs=N asks for N alternatives per token: none are computed
+            bad.append(("logprobs", "logprobs above 0 is not supported (only the chosen token's "
+                        "log-probability, logprobs=0; no alternatives)"))
         if self.best_of is not None and self.best_of != self.n:
             bad.append(("best_of", "best_of other than n is not supported"))
         if self.echo and self.logprobs is not None:

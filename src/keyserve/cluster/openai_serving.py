@@ -270,9 +270,13 @@ class OpenAIServing:
         trackers: dict[int, _Tracker] = {}
         finals: list[RequestOutput | None] = [None] * len(streams)
         usage_field = {"usage": None} if req.include_usage else {}
+        latest: list[RequestOutput | None] = [None] * len(streams)
         async for i, out in _merge(streams):
             if out.finished:
                 finals[i] = out
+            if req.continuous_usage:  # the usage so far rides in every chunk of this snapshot
+                latest[i] = out
+                usage_field = {"usage": _usage([o for o in latest if o is not None])}
             for o in out.outputs:
                 index = i * req.n + o.index
                 t = trackers.setdefault(index, _Tracker(holdback))

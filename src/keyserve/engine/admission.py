@@ -131,6 +131,16 @@ def _budget(p: SamplingParams, limits: EngineLimits, update: dict[str, Any]) -> 
             raise InvalidParamError(f"{name} must be one of {', '.join(allowed)}, got {_show(value)}", name)
     policy = p.kv_policy or limits.default_kv_policy
     evicts = (p.kv_budget if p.kv_budget is not None else limits.default_kv_budget) is not None
+    # A policy runs only with a budget and a budget only under a policy that evicts: a request
+    # that names one half while the server's defaults leave the other unset would run on the full
+    # cache, its field silently dropped, so it is refused naming that field.
+    if p.kv_policy is not None and p.kv_policy != "full" and not evicts:
+        raise InvalidParamError(f"kv_policy={p.kv_policy!r} needs a kv_budget (the request gives none and "
+                                "the server sets no default): without one nothing is evicted", "kv_policy")
+    if p.kv_budget is not None and p.kv_policy is None and policy == "full":
+        raise InvalidParamError("kv_budget needs a kv_policy that evicts (window, streaming_llm, h2o or "
+                                "keyformer): the server's default policy is 'full', which never evicts",
+                                "kv_budget")
     if p.kv_score_pooling == "layer" and evicts and score_mode(policy) is not None and limits.has_prefix_store:
         # a stored prefix is loaded with its important tokens per kv-head, so the heads of a
         # layer hold different positions and their scores cannot be summed slot by slot; the
