@@ -1,4 +1,5 @@
-"""Completions logprobs against the text: each token's ``text_offset`` points at it."""
+"""Completions logprobs against the text: each token's ``text_offset`` points at it (the text
+decoded after the prompt's last tokens, as the engine's detokenizer decodes it)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ def test_text_offsets_skip_special_tokens(server: LiveServer) -> None:
     tok = server.engine.tokenizer
     ids = tok.encode("Lily saw a dog", add_special_tokens=False)
     ids = ids[:2] + [tok.eos_token_id, tok.bos_token_id] + ids[2:]
-    detok = IncrementalDetokenizer(tok, [])
+    prompt = tok.encode("Once upon a time", add_special_tokens=True)
+    detok = IncrementalDetokenizer(tok, [], prompt)
     for t in ids:
         detok.append(t)
-    lp = server.serving._completion_logprobs(ids, 0, [0.0] * len(ids), 0)
+    assert detok.text.startswith(" Lily")  # after the prompt, its first word keeps its space
+    lp = server.serving._completion_logprobs(prompt, ids, 0, [0.0] * len(ids), 0)
     assert "".join(lp.tokens) == detok.text
     for token, offset in zip(lp.tokens, lp.text_offset):
         assert detok.text[offset:offset + len(token)] == token
@@ -36,10 +39,11 @@ def test_chat_logprob_bytes_rebuild_a_split_character(server: LiveServer) -> Non
     are the text's UTF-8."""
     tok = server.engine.tokenizer
     ids = tok.encode("Lily said こむ 🙂", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok, [])
+    prompt = tok.encode("Once upon a time", add_special_tokens=True)
+    detok = IncrementalDetokenizer(tok, [], prompt)
     for t in ids:
         detok.append(t)
     detok.flush()
-    entries = server.serving._chat_logprobs(ids, 0, [0.0] * len(ids)).content
+    entries = server.serving._chat_logprobs(prompt, ids, 0, [0.0] * len(ids)).content
     assert any(e.token == "\ufffd" for e in entries)  # the split character's pieces
-    assert b"".join(bytes(e.bytes) for e in entries).decode().lstrip() == detok.text.lstrip()
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == detok.text

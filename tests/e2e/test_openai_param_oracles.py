@@ -113,3 +113,28 @@ def test_a_kv_budget_without_a_policy_is_refused(server: LiveServer) -> None:
     with pytest.raises(InvalidParamError) as info:
         server.engine.engine.add_request(PROMPT, SamplingParams(max_tokens=4, kv_budget=0.5))
     assert info.value.param == "kv_budget"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_text_is_what_its_tokens_add_to_the_prompt(server: LiveServer, stories_path: str,
+                                                              stream: bool) -> None:
+    """The text is decoded after the prompt's last tokens, as vLLM does: with a SentencePiece
+    vocabulary (stories260K) a decode of the output alone strips the first word's space, so
+    ``echo`` gave "...parkand" where the tokens say "...park and". Oracle: the tokenizer's
+    decode of prompt + output tokens (the greedy tokens, from the Python ``LLM``), minus the
+    prompt's."""
+    from keyserve import LLM
+    from keyserve.core.sampling_params import SamplingParams as Params
+
+    tok = server.engine.tokenizer
+    [out] = LLM(stories_path, num_blocks=64).generate(PROMPT, Params(max_tokens=12, temperature=0, ignore_eos=True))
+    prompt_ids, ids = out.prompt_token_ids, out.token_ids
+    before = tok.decode(prompt_ids, skip_special_tokens=True)
+    want = tok.decode(prompt_ids + ids, skip_special_tokens=True)[len(before):]
+    assert want[0] == " " and not tok.decode(ids, skip_special_tokens=True).startswith(" ")  # the case
+    r = post(server, {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "echo": True, "stream": stream})
+    if stream:
+        text = "".join(e["choices"][0]["text"] for e in _events(r))
+    else:
+        text = r.json()["choices"][0]["text"]
+    assert text == PROMPT + want

@@ -147,4 +147,39 @@ def test_engine_text_is_the_full_decode_at_the_end(stories_path):
         while out is None:
             out = next((o for o in llm.engine.step() if o.request_id == rid and o.finished), None)
         assert out.token_ids == ids
-        assert out.text == tok.decode(ids, skip_special_tokens=True)
+        assert out.text == _after_prompt(tok, out.prompt_token_ids, ids)
+
+
+def _after_prompt(tok, prompt_ids: list[int], ids: list[int]) -> str:
+    """The oracle for a sample's text: what its tokens add to the prompt's full decode."""
+    before = tok.decode(prompt_ids, skip_special_tokens=True)
+    full = tok.decode(prompt_ids + ids, skip_special_tokens=True)
+    assert full.startswith(before)
+    return full[len(before):]
+
+
+@pytest.mark.parametrize("backend", ["stream", "full decode"])
+def test_the_first_word_keeps_its_space_after_the_prompt(stories_path, backend):
+    """Decoded after the prompt's last tokens (``prompt_context``, as vLLM primes its
+    detokenizer), the first generated word keeps its leading space, which a SentencePiece
+    decode of the output alone strips: prompt + text is the text of all the tokens (echo).
+    Also after a prompt whose last token is half a character (its context skips that cut)."""
+    tok = AutoTokenizer.from_pretrained(stories_path)
+    cut = tok.convert_tokens_to_ids(["<0xC3>"])  # the first byte of a two-byte character
+    for prompt in (tok.encode("Once", add_special_tokens=False),
+                   tok.encode("Once upon a time there was a dog", add_special_tokens=True),
+                   tok.encode("The café", add_special_tokens=False) + cut):
+        ids = tok.encode(" upon a time, a girl", add_special_tokens=False)
+        if backend == "stream":
+            detok = IncrementalDetokenizer(tok, [], prompt)
+        else:
+            class SlowOnly:  # no Rust backend: the full-decode path
+                def decode(self, ids, skip_special_tokens):
+                    return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+            detok = IncrementalDetokenizer(SlowOnly(), [], prompt)
+        pieces = [detok.append(t) for t in ids] + [detok.flush()]
+        assert "".join(pieces) == detok.text
+        assert detok.text == _after_prompt(tok, prompt, ids)
+        if prompt[-1] not in cut:
+            assert detok.text.startswith(" upon a time")
+        assert tok.decode(ids, skip_special_tokens=True).startswith("upon")  # what it replaces

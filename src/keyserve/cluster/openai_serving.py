@@ -45,6 +45,7 @@ from keyserve.cluster.openai_protocol import (
 from keyserve.config import EngineConfig, ServeConfig
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from keyserve.engine.detokenizer import prompt_context
 from keyserve.engine.outputs import CompletionOutput, RequestOutput
 from keyserve.cluster.token_bytes import TokenBytes
 
@@ -246,7 +247,8 @@ class OpenAIServing:
         if kind == "chat":
             choices = [
                 ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text),
-                           logprobs=self._chat_logprobs(o.token_ids, 0, o.logprobs) if req.logprobs else None,
+                           logprobs=(self._chat_logprobs(done[0].prompt_token_ids, o.token_ids, 0, o.logprobs)
+                                     if req.logprobs else None),
                            finish_reason=_finish(o.finish_reason))
                 for o in done[0].outputs
             ]
@@ -255,7 +257,7 @@ class OpenAIServing:
         for i, out in enumerate(done):
             prefix = self._echo(req, out)
             for o in out.outputs:
-                lp = (self._completion_logprobs(o.token_ids, 0, o.logprobs, len(prefix))
+                lp = (self._completion_logprobs(out.prompt_token_ids, o.token_ids, 0, o.logprobs, len(prefix))
                       if o.logprobs is not None else None)
                 completion_choices.append(CompletionChoice(
                     index=i * n + o.index, text=prefix + o.text, logprobs=lp,
@@ -292,7 +294,8 @@ class OpenAIServing:
                     if not delta and not finish:
                         continue  # its tokens go out with the next chunk
                     t.sent(o)
-                    logprobs = self._chat_logprobs(o.token_ids, start, lps) if req.logprobs and new_tokens else None
+                    logprobs = (self._chat_logprobs(out.prompt_token_ids, o.token_ids, start, lps)
+                                if req.logprobs and new_tokens else None)
                     yield sse(ChatCompletionChunk(
                         id=rid, created=created, model=self.model_name, **usage_field,
                         choices=[ChatChunkChoice(index=index, delta=DeltaMessage(content=delta or None),
@@ -305,7 +308,8 @@ class OpenAIServing:
                     t.sent(o)
                     logprobs = None
                     if lps is not None and new_tokens:
-                        logprobs = self._completion_logprobs(o.token_ids, start, lps, t.token_chars)
+                        logprobs = self._completion_logprobs(out.prompt_token_ids, o.token_ids, start, lps,
+                                                             t.token_chars)
                         t.token_chars = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                     yield sse(CompletionResponse(
                         id=rid, created=created, model=self.model_name, **usage_field,
@@ -344,21 +348,23 @@ class OpenAIServing:
             return out.prompt
         return self.engine.tokenizer.decode(out.prompt_token_ids)
 
-    def _token_strings(self, token_ids: list[int], start: int) -> list[str]:
+    def _token_strings(self, prompt_ids: list[int], token_ids: list[int], start: int) -> list[str]:
         """The text each token adds, decoded with a few tokens of context (so word-initial
-        spaces survive, as in the generated text) and without special tokens, as the text is
+        spaces survive, as in the generated text: the first tokens' context is the prompt's,
+        as the detokenizer's, ``prompt_context``) and without special tokens, as the text is
         (a special token adds nothing, so later ``text_offset``s still point into the text)."""
         tok = self.engine.tokenizer
+        head = prompt_context(tok, prompt_ids) if prompt_ids else []
         pieces = []
         for i in range(start, len(token_ids)):
-            ctx = token_ids[max(0, i - 4):i]
+            ctx = token_ids[max(0, i - 4):i] if i >= 4 else head + token_ids[:i]
             before = tok.decode(ctx, skip_special_tokens=True) if ctx else ""
             pieces.append(tok.decode(ctx + [token_ids[i]], skip_special_tokens=True)[len(before):])
         return pieces
 
-    def _completion_logprobs(self, token_ids: list[int], start: int, logprobs: list[float] | None,
-                             offset: int) -> CompletionLogprobs:
-        strings = self._token_strings(token_ids, start)
+    def _completion_logprobs(self, prompt_ids: list[int], token_ids: list[int], start: int,
+                             logprobs: list[float] | None, offset: int) -> CompletionLogprobs:
+        strings = self._token_strings(prompt_ids, token_ids, start)
         offsets = []
         for s in strings:
             offsets.append(offset)
@@ -372,11 +378,12 @@ class OpenAIServing:
             cached = self._token_bytes_cache = TokenBytes(self.engine.tokenizer)
         return cached
 
-    def _chat_logprobs(self, token_ids: list[int], start: int, logprobs: list[float] | None) -> ChatLogprobs:
+    def _chat_logprobs(self, prompt_ids: list[int], token_ids: list[int], start: int,
+                       logprobs: list[float] | None) -> ChatLogprobs:
         token_bytes = self._token_bytes()
         entries = [
             ChatTokenLogprob(token=s, logprob=lp, bytes=token_bytes.of(t, s))
-            for t, s, lp in zip(token_ids[start:], self._token_strings(token_ids, start), logprobs or [])
+            for t, s, lp in zip(token_ids[start:], self._token_strings(prompt_ids, token_ids, start), logprobs or [])
         ]
         return ChatLogprobs(content=entries)
 

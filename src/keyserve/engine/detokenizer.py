@@ -28,6 +28,28 @@ def _primed_stream(ids: list[int]) -> Any:
         return DecodeStream(skip_special_tokens=True)
 
 
+PROMPT_CONTEXT_TOKENS = (4, 24)  # the shortest clean prompt suffix in this range primes a sample
+
+
+def prompt_context(tokenizer: Any, prompt_token_ids: list[int]) -> list[int]:
+    """The prompt's last tokens a sample's text is decoded after, as vLLM primes its
+    detokenizer: the shortest suffix of 4 to 24 tokens (the whole prompt when it is shorter)
+    whose decode holds no U+FFFD (a character cut in two); none: no context. Decoding after them keeps
+    the first generated word's leading space, which a SentencePiece decode of the output alone
+    strips ("Once" -> "upon a time" instead of " upon a time"), so echo + text and prompt +
+    text are the text of all the tokens."""
+    low, high = PROMPT_CONTEXT_TOKENS
+    ids = list(prompt_token_ids)
+    # A prompt ending inside a character (up to 3 byte tokens of it): the context ends before
+    # them, or the stream would hold their bytes and give the prompt's U+FFFD as the output's.
+    for end in range(len(ids), max(len(ids) - 4, 0), -1):
+        for n in range(min(low, end), min(end, high) + 1):
+            suffix = ids[end - n:end]
+            if "\ufffd" not in tokenizer.decode(suffix, skip_special_tokens=True):
+                return suffix
+    return []
+
+
 class IncrementalDetokenizer:
     """Keeps the text of the generated tokens and finds stop strings as tokens arrive.
 
@@ -42,17 +64,45 @@ class IncrementalDetokenizer:
     characters.
     """
 
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+    def __init__(self, tokenizer: Any, stop: list[str], prompt_token_ids: list[int] | None = None) -> None:
+        """``prompt_token_ids``: the text is decoded after the prompt's last tokens
+        (``prompt_context``); without them, as the output's own decode."""
         self.tokenizer = tokenizer
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.text = ""
-        self._ids: list[int] = []
         self.stopped_at: int | None = None  # length of text before the stop string
+        context = prompt_context(tokenizer, prompt_token_ids) if prompt_token_ids else []
+        self._prefix = context  # the full-decode path: the output is decoded after these
+        self._prefix_text = tokenizer.decode(context, skip_special_tokens=True) if context else ""
+        self._ids: list[int] = []
         self._backend = _stream_backend(tokenizer)
         self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
         self._pending: list[int] = []  # ids given since the stream's last piece (it holds them)
         self._context: list[int] = []  # the ids of that piece: decode context for ``_tail``
+        if self._stream is not None and context:
+            self._prime(context)
+
+    def _prime(self, context: list[int]) -> None:
+        """Step the stream through the prompt's last tokens, discarding their text (a window
+        the stream cannot decode leaves it fresh, without context)."""
+        try:
+            for token_id in context:
+                self._stream.step(self._backend, token_id)
+        except Exception:  # noqa: BLE001 — e.g. bytes the prompt cut in two: no context then
+            self._stream = DecodeStream(skip_special_tokens=True)
+            return
+        self._context = list(context)
+
+    def _decode_output(self) -> str:
+        """The full-decode path: the output's text after the prompt's context."""
+        decode = self.tokenizer.decode
+        if not self._prefix:
+            return decode(self._ids, skip_special_tokens=True)
+        full = decode(self._prefix + self._ids, skip_special_tokens=True)
+        if full.startswith(self._prefix_text):
+            return full[len(self._prefix_text):]
+        return decode(self._ids, skip_special_tokens=True)
 
     def _tail(self, ids: list[int]) -> str:
         """The text ``ids`` add after the last piece's ids, as a full decode gives it (the
@@ -80,7 +130,7 @@ class IncrementalDetokenizer:
             self.text += piece
         else:
             self._ids.append(token_id)
-            new_text = self.tokenizer.decode(self._ids, skip_special_tokens=True)
+            new_text = self._decode_output()
             if new_text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
                 return ""
             self.text = new_text
@@ -101,7 +151,7 @@ class IncrementalDetokenizer:
             self._context, self._pending = self._pending, []
             self.text += piece
         else:
-            new_text = self.tokenizer.decode(self._ids, skip_special_tokens=True)
+            new_text = self._decode_output()
             if len(new_text) <= previous or not new_text.startswith(self.text):
                 return ""
             self.text = new_text

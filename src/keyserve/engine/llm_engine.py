@@ -228,7 +228,7 @@ class LLMEngine:
             forced_token_ids=list(forced_token_ids) if forced_token_ids is not None else None,
         )
         for seq in seqs:  # everything that can raise, before anything is registered
-            req.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+            req.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop, req.prompt_token_ids)
         for seq in seqs:
             self._seq_owner[seq.seq_id] = req
             self._seqs[seq.seq_id] = seq
