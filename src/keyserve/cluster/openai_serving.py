@@ -43,9 +43,9 @@ from keyserve.cluster.openai_protocol import (
     Usage,
 )
 from keyserve.config import EngineConfig, ServeConfig
+from keyserve.core.prompt_context import prompt_context
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.engine.async_engine import AsyncLLMEngine, RequestStream
-from keyserve.engine.detokenizer import prompt_context
 from keyserve.engine.outputs import CompletionOutput, RequestOutput
 from keyserve.cluster.token_bytes import TokenBytes
 
