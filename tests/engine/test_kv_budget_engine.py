@@ -175,3 +175,32 @@ def test_seeded_keyformer_is_the_same_whatever_its_batch(llm: LLM) -> None:
     [greedy_11] = llm.generate(PROMPT, keyformer(11, 0.0))
     differs = [llm.generate(PROMPT, keyformer(seed, 0.0))[0].token_ids != greedy_11.token_ids for seed in (12, 13)]
     assert any(differs)
+
+
+def test_forked_samples_compact_at_the_prompt_end_whatever_the_pool(stories_path: str) -> None:
+    """A budgeted request of n = 2 whose pool is nearly full when its prompt ends gives what it
+    gives alone. Its prompt is compacted before the siblings fork (they share the k kept slots),
+    so compaction never waits on copies of shared blocks: the pressure falls on the next step's
+    writes, where the scheduler preempts the newer plain request (recomputed exactly).
+    Mutation caught: compacting only after the fork, which deferred compaction to a step the
+    pool could copy in, and the decode scores seen meanwhile chose other tokens."""
+    prompt = [1] + [(7 * i) % 500 + 3 for i in range(47)]  # 6 blocks of 8
+    other = [1] + [(11 * i) % 500 + 5 for i in range(39)]  # 5 blocks of 8
+    budgeted = SamplingParams(n=2, max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True,
+                              kv_policy="h2o", kv_budget=0.8)
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+
+    def run(num_blocks: int, requests: list[tuple[list[int], SamplingParams]]) -> tuple[LLM, list]:
+        llm = LLM(stories_path, num_blocks=num_blocks, block_size=8, max_num_batched_tokens=128)
+        return llm, llm.generate(list(p for p, _ in requests), list(sp for _, sp in requests))
+
+    _, [alone] = run(200, [(prompt, budgeted)])
+    _, [other_alone] = run(200, [(other, plain)])
+    small, [got, other_got] = run(14, [(prompt, budgeted), (other, plain)])
+    assert got.stats.num_preemptions == 0
+    for out, ref in zip(got.outputs, alone.outputs, strict=True):
+        assert out.token_ids == ref.token_ids
+        assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    assert other_got.token_ids == other_alone.token_ids
+    assert small.engine.block_manager.num_free_blocks == 14
+    assert not small.engine.runner.budget.states

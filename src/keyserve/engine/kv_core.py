@@ -222,6 +222,11 @@ class KVCore:
                 sampled.append(source)
                 continue
             # Siblings fork from the computed prompt before any token can finish (and free) it.
+            # A budgeted prompt is compacted first, while its blocks are private: the siblings
+            # share the k kept slots. Compacted after the fork, each sibling had to copy shared
+            # blocks, and where the pool could not, compaction waited for a later step -- whose
+            # decode scores then chose other tokens than the request chooses alone.
+            plan_prompt_compaction(bm, [source], ops, self.prefix_hook)
             for target in targets[1:]:
                 bm.fork(source, target)
                 ops.append(ForkOp(source.seq_id, target.seq_id))
