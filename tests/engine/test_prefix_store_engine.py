@@ -538,3 +538,91 @@ def test_repeated_budgeted_request_loads_scores_of_its_stored_prefix_only(
     assert torch.equal(kept.sort(-1).values, want.sort(-1).values)
     assert finish(llm, rid) == finish(ref, rid_ref) == first.token_ids
     llm.engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_node_files_replaced_by_a_directory_or_a_fifo_are_counted_misses(
+    stories_path: str, ref: LLM, tmp_path: Path
+) -> None:
+    """Whatever stands in a node file's place is damage, not a failure of the step: a directory
+    (its ``pread`` raised EISDIR out of the step) or a FIFO (its ``open`` blocked the engine
+    for good) is a counted miss, recomputed, and its node is dropped. (Found by a hostile-
+    environment sweep.)"""
+    import os
+
+    llm = make(stories_path, tmp_path, device_tokens=0, host_tokens=0)  # every chunk on the disk
+    disk = llm.engine.prefix_store.store.disk
+    texts = [STORY, OTHERS[0]]
+    for text in texts:
+        llm.generate(text, greedy())
+    disk.drain()
+    files = sorted(Path(disk.root).glob("*.kv"))
+    assert len(files) == 2
+    for f, replace in zip(files, (Path.mkdir, os.mkfifo)):
+        f.unlink()
+        replace(f)
+    outs = llm.generate(texts, greedy())
+    wants = ref.generate(texts, greedy())
+    assert [o.token_ids for o in outs] == [w.token_ids for w in wants]
+    assert all(o.stats.prefix_cache_hit_tokens == 0 for o in outs)
+    assert llm.engine.prefix_store_stats()["corrupt_chunks"] == 2
+    llm.engine.close()
+
+
+def test_a_store_directory_replaced_by_a_file_fails_no_step(stories_path: str, ref: LLM, tmp_path: Path) -> None:
+    """The private directory replaced by a plain file: reads, writes and the removal of the
+    damaged nodes all fail (removing raised ENOTDIR out of the step, as a read-only directory's
+    EACCES / EROFS would); every request is computed, correctly. (Found by a hostile-environment
+    sweep.)"""
+    import shutil
+
+    llm = make(stories_path, tmp_path, device_tokens=0, host_tokens=0)
+    disk = llm.engine.prefix_store.store.disk
+    llm.generate(STORY, greedy())
+    disk.drain()
+    shutil.rmtree(disk.root)
+    Path(disk.root).write_bytes(b"")
+    [want] = ref.generate(STORY, greedy())
+    for _ in range(2):
+        [out] = llm.generate(STORY, greedy())
+        assert out.token_ids == want.token_ids and out.stats.prefix_cache_hit_tokens == 0
+    assert llm.engine.prefix_store_stats()["corrupt_chunks"] >= 1
+    llm.engine.close()
+
+
+def test_a_directory_left_by_a_killed_engine_is_removed_by_the_next(stories_path: str, tmp_path: Path) -> None:
+    """A process killed while it serves (``kill -9``, the OOM killer) never removes its private
+    directory: each crash left up to ``disk_max_gb`` behind for good. A store opening on the
+    same ``disk_path`` removes the directories no live process holds, and never one a live
+    engine (another replica) uses. (Found by a hostile-environment sweep.)"""
+    import signal
+    import subprocess
+    import sys
+
+    child = (
+        "import sys, time, torch\n"
+        "from keyserve.core.prefix_store import DiskTier\n"
+        "d = DiskTier(sys.argv[1], 1 << 30, (2, 8, 4, 8), torch.float32, background_writes=False)\n"
+        "d.write_node(1, torch.randn(5, 2, 2, 8, 4, 8))\n"
+        "print(d.root, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    live = make(stories_path, tmp_path)  # another replica on the same directory, alive
+    live_root = Path(live.engine.prefix_store.store.disk.root)
+    proc = subprocess.Popen([sys.executable, "-c", child, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        dead_root = Path(proc.stdout.readline().strip())
+        assert (dead_root / "1.kv").exists()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert dead_root.exists()  # nobody cleaned up
+    llm = make(stories_path, tmp_path)
+    assert not dead_root.exists()
+    assert live_root.exists() and Path(llm.engine.prefix_store.store.disk.root).exists()
+    [out] = live.generate(STORY, greedy())
+    live.engine.prefix_store.store.disk.drain()
+    assert list(live_root.glob("*.kv"))  # the live engine's store works on
+    llm.engine.close()
+    live.engine.close()
+    assert list(tmp_path.iterdir()) == []  # clean closes leave nothing, locks included

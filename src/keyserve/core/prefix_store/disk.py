@@ -21,12 +21,25 @@ runs no torch code (so it starts no OpenMP pool of its own). A node is accounted
 read or delete of a node still being written waits for its write, and a write that failed makes
 the node's reads raise ``CorruptChunk`` (the store drops such a node, as for a corrupt file).
 At most ``MAX_PENDING_WRITES`` writes wait at a time (each holds its node's bytes in memory).
+
+The private directory ``keyserve-prefix-XXXX`` has a lock file beside it,
+``keyserve-prefix-XXXX.lock``, held (``flock``) for the tier's life: the kernel releases it when
+the process dies, however it dies. A tier opening in the same ``disk_path`` removes every
+sibling directory whose lock it can take: a process killed (``kill -9``, OOM, a SIGTERM with no
+handler) never ran its cleanup, and without this each crash left up to ``disk_max_gb`` behind
+for good. A live engine's directory (another replica on the node) is never touched.
+
+Reads and deletes treat any error of the file system as a damaged node, never as a failure of
+the step: a node file replaced by a directory or a FIFO (an ``open`` that would block forever),
+an I/O error, a directory made read-only or removed: the node is dropped and counted.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import stat
 import shutil
 import tempfile
 import weakref
@@ -90,6 +103,12 @@ class DiskTier:
         # A directory of our own: the index lives in memory, so files of another process or an
         # earlier run are never trusted (nor deleted).
         self.root = Path(tempfile.mkdtemp(prefix="keyserve-prefix-", dir=parent))
+        try:
+            self._lock_fd = _hold_lock(self.root)
+        except BaseException:
+            shutil.rmtree(self.root, True)
+            raise
+        _remove_orphans(self.root.parent, self.root)
         self.max_bytes = max_bytes
         self.chunk_shape = chunk_shape
         self.dtype = dtype
@@ -105,7 +124,7 @@ class DiskTier:
         self._writer = ThreadPoolExecutor(1, "keyserve-disk-writer") if background_writes else None
         self._pending: dict[int, Future] = {}  # node_id -> its write, until read, deleted or drained
         self._failed: dict[int, str] = {}  # node_id -> why its write failed
-        self._cleanup = weakref.finalize(self, _remove_dir, self._writer, str(self.root))
+        self._cleanup = weakref.finalize(self, _remove_dir, self._writer, str(self.root), self._lock_fd)
 
     @property
     def sizes(self) -> dict[int, int]:
@@ -201,17 +220,23 @@ class DiskTier:
         spans = [(offsets[base + c], offsets[base + c + 1]) for c in chunk_ids]
         buf = bytearray(sum(b - a for a, b in spans))
         view = memoryview(buf)
-        try:
-            fd = os.open(self.path(node_id), os.O_RDONLY)
+        first_id = chunk_ids[0] if chunk_ids else -1
+        try:  # O_NONBLOCK: a FIFO put in the file's place must not block the engine's step
+            fd = os.open(self.path(node_id), os.O_RDONLY | os.O_NONBLOCK)
         except OSError as e:
-            raise CorruptChunk(node_id, layer, chunk_ids[0] if chunk_ids else -1, f"file: {e}") from e
+            raise CorruptChunk(node_id, layer, first_id, f"file: {e}") from e
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory, FIFO, device put there
+                raise CorruptChunk(node_id, layer, first_id, "not a regular file")
             if self.cold_reads:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             at = 0
             for first, count in _runs(chunk_ids):
                 lo, hi = offsets[base + first], offsets[base + first + count]
-                got = os.pread(fd, hi - lo, lo)
+                try:
+                    got = os.pread(fd, hi - lo, lo)
+                except OSError as e:  # EIO from a failing disk, ...
+                    raise CorruptChunk(node_id, layer, first, f"read: {e}") from e
                 if len(got) != hi - lo:
                     raise CorruptChunk(node_id, layer, first, "file too short")
                 view[at : at + hi - lo] = got
@@ -242,7 +267,10 @@ class DiskTier:
         self._wait(node_id)
         self._failed.pop(node_id, None)
         self.layouts.pop(node_id, None)
-        self.path(node_id).unlink(missing_ok=True)
+        try:
+            self.path(node_id).unlink(missing_ok=True)
+        except OSError as e:  # a directory in its place, a read-only or removed root, EIO
+            log.warning("prefix store: removing node %d's file failed: %s", node_id, e)
 
     def close(self) -> None:
         self._pending.clear()
@@ -267,7 +295,64 @@ def _write_file(final: Path, data: memoryview, sync: bool) -> None:
         raise
 
 
-def _remove_dir(writer: ThreadPoolExecutor | None, root: str) -> None:
+def _lock_path(root: Path) -> Path:
+    return root.with_name(root.name + ".lock")
+
+
+def _hold_lock(root: Path) -> int:
+    """Take the lock that marks ``root`` as in use, for as long as this process lives (its fd is
+    returned, closed by ``_remove_dir``). The lock file appears under its name already locked
+    (locked under a temporary name, then renamed), so ``_remove_orphans`` never sees it free."""
+    fd, tmp = tempfile.mkstemp(prefix=".keyserve-lock-", dir=root.parent)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.replace(tmp, _lock_path(root))
+    except BaseException:
+        os.close(fd)
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return fd
+
+
+def _remove_orphans(parent: Path, own: Path) -> None:
+    """Remove the private directories in ``parent`` of processes that died without cleaning up:
+    those whose lock file no live process holds. Best effort: an error skips the directory."""
+    for lock in parent.glob("keyserve-prefix-*.lock"):
+        root = lock.with_name(lock.name[: -len(".lock")])
+        if root == own:
+            continue
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone already (another tier removed it), or not ours to judge
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # held: a live engine's directory
+        try:
+            if not _still_at(fd, lock):
+                continue  # removed (and maybe made again) meanwhile: not the file we locked
+            log.info("prefix store: removing %s, left by a process that died", root)
+            lock.unlink(missing_ok=True)  # first: then no new tier can be given this name and lose its lock
+            shutil.rmtree(root, True)
+        except OSError as e:
+            log.warning("prefix store: could not remove %s: %s", root, e)
+        finally:
+            os.close(fd)
+
+
+def _still_at(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        return os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+    except OSError:
+        return False
+
+
+def _remove_dir(writer: ThreadPoolExecutor | None, root: str, lock_fd: int) -> None:
     if writer is not None:
         writer.shutdown(wait=True, cancel_futures=True)
     shutil.rmtree(root, True)
+    _lock_path(Path(root)).unlink(missing_ok=True)
+    os.close(lock_fd)
