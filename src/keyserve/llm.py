@@ -3,8 +3,10 @@ cluster). A facade over the engine, above every layer but the command line."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from contextlib import contextmanager
 from numbers import Integral
 from typing import Any
 
@@ -31,6 +33,7 @@ class LLM:
         elif model is not None or options:
             raise ValueError("pass either config= or model/options, not both")
         self.engine = LLMEngine(config)
+        self._turn = _OneCallAtATime()
 
     @property
     def tokenizer(self) -> Any:
@@ -45,7 +48,18 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or chat user messages with ``chat``);
-        one RequestOutput per prompt, in order. Invalid input raises before anything runs."""
+        one RequestOutput per prompt, in order. Invalid input raises before anything runs.
+        Calls from several threads run one after the other."""
+        with self._turn():
+            return self._generate(prompts, sampling_params, chat, use_tqdm)
+
+    def _generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None,
+        chat: bool,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], Integral)):
             prompts = [prompts]  # type: ignore[list-item]
         _check_prompts(prompts)
@@ -119,6 +133,7 @@ class RayLLM(LLM):
         from keyserve.actors.ray_engine import RayEngine  # Ray only for this class, not for LLM
 
         self.engine = RayEngine(config)
+        self._turn = _OneCallAtATime()
 
     def stream(
         self, prompts: str | list[str] | list[list[int]], sampling_params: SamplingParams | None = None
@@ -150,6 +165,30 @@ class RayLLM(LLM):
         self.shutdown()
 
 
+class _OneCallAtATime:
+    """``generate`` steps the engine until *every* request in it is done and keeps the outputs
+    of its own: two calls at once would each finish (and drop) the other's requests, or step
+    the engine from two threads. A call from another thread waits its turn; one from inside a
+    running call on its own thread (a progress-bar or tokenizer callback) is refused."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        me = threading.get_ident()
+        if self._owner == me:
+            raise RuntimeError("LLM.generate (or chat) was called from inside a running generate "
+                               "on the same thread (a callback); call it after that one returns")
+        with self._lock:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
+
+
 def _check_prompts(prompts: object) -> None:
     """Each prompt is text or a list of token ids (ints): a ValueError naming the one that is
     not, rather than a TypeError from the tokenizer."""
@@ -158,6 +197,8 @@ def _check_prompts(prompts: object) -> None:
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             continue
+        if isinstance(p, (bytes, bytearray)):  # a Sequence of ints: its byte values are not token ids
+            raise ValueError(f"prompt {i} is bytes: decode it to text, or pass a list of token ids")
         if isinstance(p, Seq) and all(isinstance(t, Integral) and not isinstance(t, bool) for t in p):
             continue
         raise ValueError(f"prompt {i} must be text or a list of token ids (ints), not {p!r:.80}")

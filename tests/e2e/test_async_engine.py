@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from keyserve.config import EngineConfig
@@ -158,7 +159,18 @@ def test_bad_input_leaves_nothing_behind(engine: AsyncLLMEngine) -> None:
             await engine.add_request(messages=[{"role": "user", "content": "hi"}], params=GREEDY)
         with pytest.raises(ValueError, match="draft"):
             await engine.add_request("Once", SamplingParams(speculative=True))
+        # Not token ids: bytes would be their byte values, a dict its keys.
+        with pytest.raises(ValueError, match="bytes"):
+            await engine.add_request(b"Once", GREEDY)
+        with pytest.raises(ValueError, match="dict"):
+            await engine.add_request({"prompt_token_ids": [1, 2]}, GREEDY)
+        with pytest.raises(ValueError, match=r"integers in \[0, 512\)"):
+            await engine.add_request(prompt_token_ids=[1, "2"], params=GREEDY)
         assert idle(engine) and not engine.engine.requests
+        ids = list(engine.tokenizer.encode("Once upon a time"))  # numpy ints are token ids
+        want = [out async for out in engine.generate(prompt_token_ids=ids, params=GREEDY)][-1]
+        got = [out async for out in engine.generate(prompt_token_ids=np.array(ids), params=GREEDY)][-1]
+        assert got.token_ids == want.token_ids and got.prompt_token_ids == ids
 
     asyncio.run(main())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
@@ -148,3 +149,19 @@ def test_request_ids_and_chat_token_ids(llm: LLM) -> None:
 def test_a_kv_pool_that_cannot_be_allocated_is_a_clear_error(stories_path: str, num_blocks: int) -> None:
     with pytest.raises(ValueError, match=rf"cannot allocate the KV cache: {num_blocks} blocks of 16 tokens need"):
         LLM(stories_path, num_blocks=num_blocks, block_size=16)
+
+
+def test_token_ids_of_numpy_ints_and_bytes(llm: LLM) -> None:
+    """numpy ints are token ids (as in a notebook's array.tolist()-less list); bytes are not:
+    a bytes object is a sequence of ints, and its byte values ran as a prompt of token ids."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    ids = list(llm.tokenizer.encode("Once upon a time"))
+    [want] = llm.generate([ids], greedy)
+    [got] = llm.generate([[np.int64(t) for t in ids]], greedy)
+    assert got.token_ids == want.token_ids and got.prompt_token_ids == ids
+    with pytest.raises(ValueError, match="bytes"):
+        llm.generate(b"Once upon a time", greedy)
+    with pytest.raises(ValueError, match="bytes"):
+        llm.generate(["Once", b"upon"], greedy)
+    st = llm.engine.stats()
+    assert not llm.engine.requests and st.num_free_blocks == st.num_blocks

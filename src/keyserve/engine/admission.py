@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any, get_args
 
 from keyserve.core.kv_policy import SCORE_POOLINGS, SCORE_WINDOWS, score_mode
@@ -81,7 +82,7 @@ def admit_params(params: Any, limits: EngineLimits) -> SamplingParams:
 
 def check_token_ids(ids: Any, field: str, vocab_size: int) -> list[int]:
     """Token ids (a prompt, forced tokens) as a list of plain ints in ``[0, vocab_size)`` (an
-    ``int`` subclass is taken as its value: see ``_plain``)."""
+    ``int`` subclass or another integral type, numpy's, is taken as its value: see ``_plain``)."""
     return [int(t) for t in _token_ids(ids, field, vocab_size)]
 
 
@@ -188,7 +189,7 @@ def _token_ids(ids: Any, field: str, vocab_size: int) -> Any:
     if not isinstance(ids, (list, tuple)):
         raise InvalidParamError(f"{field} must be a list of token ids, got {type(ids).__name__}", field)
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+        if isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < vocab_size:
             raise InvalidParamError(
                 f"{field} must be token ids in [0, {vocab_size}) (the vocabulary), got {_show(t)}", field
             )

@@ -21,8 +21,9 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Any, TypeVar
 
 from keyserve.config import EngineConfig
@@ -278,13 +279,13 @@ class AsyncLLMEngine:
         if messages is not None:
             ids = await self._tokenize(engine.apply_chat_template, messages)
         elif prompt_token_ids is not None:
-            ids = list(prompt_token_ids)
+            ids = _token_id_list(prompt_token_ids)
         elif isinstance(prompt, str):
             if not prompt:  # whitespace is text (it has tokens), as for OpenAI's API
                 raise ValueError("prompt is empty")
             ids = await self._tokenize(engine.encode_prompt, prompt, chat)
         elif prompt is not None:
-            ids = list(prompt)
+            ids = _token_id_list(prompt)
         else:
             raise ValueError("give a prompt, prompt token ids or chat messages")
         if not ids:
@@ -295,8 +296,8 @@ class AsyncLLMEngine:
                 f"{engine.max_model_len} tokens (at least one must remain for generation)"
             )
         vocab = engine.vocab_size
-        if not all(0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if not all(isinstance(t, Integral) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
 
     async def _tokenize(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
@@ -573,6 +574,14 @@ class AsyncLLMEngine:
             state.finished = True
             state.event.set()
             self._close(state)
+
+
+def _token_id_list(ids: Any) -> list[Any]:
+    """A prompt given as token ids, as a list (checked by the caller). Bytes and mappings are
+    refused: listed, they would be byte values and keys, not token ids."""
+    if isinstance(ids, (str, bytes, bytearray, Mapping)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"a prompt is text or a list of token ids, not {type(ids).__name__}")
+    return list(ids)
 
 
 class RequestStream:

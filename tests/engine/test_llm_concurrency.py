@@ -1,0 +1,74 @@
+"""``LLM.generate`` runs one call at a time: calls from several threads each get what a lone
+call gets, a call from inside a running one (a callback) is refused, and neither leaves a
+request or a KV block behind."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import keyserve.llm as llm_module
+from keyserve import LLM, SamplingParams
+
+PROMPTS = ["Once upon a time", "The cat sat", "Lily went to the park", "One day"]
+OTHERS = ["Tom and Sue", "A dog ran", "The sun"]
+SEEDED = SamplingParams(max_tokens=24, temperature=0.9, seed=7)
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def llm(stories_path: str) -> LLM:
+    return LLM(stories_path, num_blocks=128)
+
+
+def tokens(outs: list) -> list[list[int]]:
+    return [o.token_ids for o in outs]
+
+
+def assert_idle(llm: LLM) -> None:
+    st = llm.engine.stats()
+    assert not llm.engine.requests and st.num_free_blocks == st.num_blocks
+
+
+def test_generate_from_two_threads_matches_lone_calls(llm: LLM) -> None:
+    want = {"a": tokens(llm.generate(PROMPTS, SEEDED)), "b": tokens(llm.generate(OTHERS, GREEDY))}
+    got: dict[str, list] = {"a": [], "b": []}
+
+    def run(name: str, prompts: list[str], params: SamplingParams) -> None:
+        for _ in range(4):
+            try:
+                got[name].append(tokens(llm.generate(prompts, params)))
+            except Exception as e:  # noqa: BLE001 — recorded, asserted below
+                got[name].append(repr(e))
+
+    threads = [threading.Thread(target=run, args=("a", PROMPTS, SEEDED)),
+               threading.Thread(target=run, args=("b", OTHERS, GREEDY))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == {"a": [want["a"]] * 4, "b": [want["b"]] * 4}
+    assert_idle(llm)
+
+
+def test_generate_from_a_callback_inside_generate_is_refused(llm: LLM, monkeypatch) -> None:
+    outer = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (4, 32)]
+    want = tokens(llm.generate(["Once upon a time", "One day"], outer))
+
+    class Bar:  # a progress bar whose update runs the user's code
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def update(self, n: int) -> None:
+            llm.generate("The sun", GREEDY)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(llm_module, "tqdm", Bar)
+    with pytest.raises(RuntimeError, match="inside a running generate"):
+        llm.generate(["Once upon a time", "One day"], outer, use_tqdm=True)
+    monkeypatch.undo()
+    assert_idle(llm)
+    assert tokens(llm.generate(["Once upon a time", "One day"], outer)) == want
