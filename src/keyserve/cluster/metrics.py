@@ -117,9 +117,12 @@ class ServerMetrics:
 
     def observe_finished(self, out: RequestOutput) -> None:
         reasons = {o.finish_reason for o in out.outputs}
-        reason = "abort" if "abort" in reasons else (out.finish_reason or "unknown")
+        if out.error is not None:  # failed, as vLLM's FinishReason.ERROR
+            reason = "error"
+        else:
+            reason = "abort" if "abort" in reasons else (out.finish_reason or "unknown")
         self.finished.labels(self.model_name, reason).inc()
-        if reason == "abort":
+        if reason in ("abort", "error"):
             return
         st = out.stats
         if st.time_to_first_token_s is not None:

@@ -462,7 +462,7 @@ class AsyncLLMEngine:
         sees its blocks freed.) A request that failed alone in the step (``out.error``) gets
         its error instead."""
         by_loop: dict[asyncio.AbstractEventLoop, list[RequestOutput]] = {}
-        failed: list[tuple[str, asyncio.AbstractEventLoop, BaseException]] = []
+        failed: list[tuple[str, asyncio.AbstractEventLoop, BaseException, RequestOutput]] = []
         for out in outputs:
             if not out.finished and out.request_id in self._final_only:
                 continue
@@ -472,14 +472,14 @@ class AsyncLLMEngine:
                 self._final_only.discard(out.request_id)
                 if out.error is not None:
                     if loop is not None:
-                        failed.append((out.request_id, loop, out.error))
+                        failed.append((out.request_id, loop, out.error, out))
                     continue
             if loop is not None:
                 by_loop.setdefault(loop, []).append(out)
         if publish:
             self._publish_stats()
-        for rid, loop, error in failed:
-            self._fail(rid, loop, error)
+        for rid, loop, error, out in failed:
+            self._fail(rid, loop, error, out)
         for loop, outs in by_loop.items():
             try:
                 loop.call_soon_threadsafe(self._on_outputs, outs)
@@ -501,18 +501,20 @@ class AsyncLLMEngine:
             self._publish_stats()
         except Exception:  # noqa: BLE001 — the errors must still go out
             log.exception("stats after a failed step")
+        finals = {out.request_id: out for out in error.outputs}
         for rid in error.request_ids:
             loop = self._loops.get(rid)
             if loop is not None:
-                self._fail(rid, loop, failure)
+                self._fail(rid, loop, failure, finals.get(rid))
 
     def _fail_all(self, error: BaseException, abort: bool = True) -> None:
         """Abort every request in flight and raise ``error`` in their streams."""
         doomed = list(self._loops.items())
+        finals: dict[str, RequestOutput | None] = {}
         for rid, _ in doomed:
             if abort and self.engine is not None:
                 try:
-                    self.engine.abort(rid)
+                    finals[rid] = self.engine.abort(rid)
                 except Exception:  # noqa: BLE001
                     log.exception("abort of %s failed", rid)
         if self.engine is not None:
@@ -521,15 +523,14 @@ class AsyncLLMEngine:
             except Exception:  # noqa: BLE001 — the engine may be broken; the errors must still go out
                 log.exception("stats after a failure")
         for rid, loop in doomed:
-            self._fail(rid, loop, error)
+            self._fail(rid, loop, error, finals.get(rid))
 
     def _fail_unschedulable(self) -> None:
         """Nothing runs and nothing could be scheduled (the engine fails a request that can
         never fit itself, ``LLMEngine._fail_unschedulable``; this is the safety net): the first
         waiting request fails, so those behind it can be admitted."""
         doomed = [(rid, self._loops.get(rid)) for rid in self.engine.waiting_request_ids()[:1]]
-        for rid, _ in doomed:
-            self.engine.abort(rid)
+        finals = {rid: self.engine.abort(rid) for rid, _ in doomed}
         self._publish_stats()
         st = self._stats
         for rid, loop in doomed:
@@ -537,13 +538,18 @@ class AsyncLLMEngine:
                 self._fail(rid, loop, ValueError(
                     f"request {rid} cannot be scheduled: it needs more KV blocks than the pool "
                     f"holds ({st.num_blocks} blocks of {st.block_size} tokens)"
-                ))
+                ), finals[rid])
 
-    def _fail(self, rid: str, loop: asyncio.AbstractEventLoop, error: BaseException) -> None:
+    def _fail(self, rid: str, loop: asyncio.AbstractEventLoop, error: BaseException,
+              out: RequestOutput | None = None) -> None:
+        """Fail ``rid``'s stream with ``error``; ``out``, its final output if the engine gave
+        one, still reaches ``on_finished`` (a failed request counts in the metrics)."""
         self._loops.pop(rid, None)
         self._final_only.discard(rid)
+        if out is not None and out.error is None:
+            out.error = error
         try:
-            loop.call_soon_threadsafe(self._on_error, rid, error)
+            loop.call_soon_threadsafe(self._on_error, rid, error, out)
         except RuntimeError:
             pass
 
@@ -553,11 +559,8 @@ class AsyncLLMEngine:
     # ------------------------------------------------- back on the event loop
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            if out.finished and self.on_finished is not None:
-                try:
-                    self.on_finished(out)
-                except Exception:  # noqa: BLE001 — metrics must never break a request
-                    log.exception("on_finished callback failed")
+            if out.finished:
+                self._observe_finished(out)
             state = self._states.get(out.request_id)
             if state is None:
                 continue
@@ -567,7 +570,16 @@ class AsyncLLMEngine:
                 state.finished = True
                 self._close(state)
 
-    def _on_error(self, request_id: str, error: BaseException) -> None:
+    def _observe_finished(self, out: RequestOutput) -> None:
+        if self.on_finished is not None:
+            try:
+                self.on_finished(out)
+            except Exception:  # noqa: BLE001 — metrics must never break a request
+                log.exception("on_finished callback failed")
+
+    def _on_error(self, request_id: str, error: BaseException, out: RequestOutput | None = None) -> None:
+        if out is not None:
+            self._observe_finished(out)
         state = self._states.get(request_id)
         if state is not None:
             state.error = error
