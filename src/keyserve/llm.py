@@ -34,6 +34,9 @@ class LLM:
             raise ValueError("pass either config= or model/options, not both")
         self.engine = LLMEngine(config)
         self._turn = _OneCallAtATime()
+        # A call's request ids until it returns or has aborted them: a second Ctrl-C during its
+        # clean-up leaves some queued, and the next call aborts them (else it ran them unseen).
+        self._unsettled: list[str] = []
 
     @property
     def tokenizer(self) -> Any:
@@ -78,13 +81,16 @@ class LLM:
                     f"prompt {i} has {len(ids)} tokens but the model's context is "
                     f"{engine.max_model_len} tokens (at least one must remain for generation)"
                 )
-        ids: list[str] = []
+        for rid in self._unsettled:  # an earlier call's, left when its own clean-up was cut short
+            engine.abort(rid)
+        ids = self._unsettled = []  # this call's requests until it has their outputs or aborted them
         try:
             for p, sp, tok in zip(prompts, sampling_params, encoded):
                 ids.append(engine.add_request(p, sp, prompt_token_ids=tok))
         except BaseException:  # a later prompt's parameters or ids: none of them runs
             for rid in ids:
                 engine.abort(rid)
+            self._unsettled = []
             raise
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
@@ -97,9 +103,11 @@ class LLM:
         except BaseException:
             for rid in ids:
                 engine.abort(rid)
+            self._unsettled = []
             raise
         finally:
             bar.close()
+        self._unsettled = []
         return [done[rid] for rid in ids]
 
     def chat(
@@ -134,6 +142,7 @@ class RayLLM(LLM):
 
         self.engine = RayEngine(config)
         self._turn = _OneCallAtATime()
+        self._unsettled: list[str] = []
 
     def stream(
         self, prompts: str | list[str] | list[list[int]], sampling_params: SamplingParams | None = None

@@ -72,3 +72,39 @@ def test_generate_from_a_callback_inside_generate_is_refused(llm: LLM, monkeypat
     monkeypatch.undo()
     assert_idle(llm)
     assert tokens(llm.generate(["Once upon a time", "One day"], outer)) == want
+
+
+def test_a_second_interrupt_during_clean_up_leaves_nothing_for_the_next_call(llm: LLM, monkeypatch) -> None:
+    """Ctrl-C in a step, then again while ``generate`` aborts its requests: some stay queued.
+    The next call aborts them before it starts, so it neither runs them (unseen, their outputs
+    dropped) nor shares its steps with them, and gives what a lone call gives."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = tokens(llm.generate(PROMPTS, params))
+    execute, steps = llm.engine.runner.execute, []
+
+    def interrupted_step(*args: object, **kwargs: object) -> object:
+        steps.append(1)
+        if len(steps) == 2:
+            raise KeyboardInterrupt
+        return execute(*args, **kwargs)
+
+    def interrupted_abort(request_id: str) -> None:
+        monkeypatch.undo()  # one more Ctrl-C, on the first abort
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.engine.runner, "execute", interrupted_step)
+    monkeypatch.setattr(llm.engine, "abort", interrupted_abort)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, params)
+    assert len(llm.engine.requests) == len(PROMPTS)  # left queued by the cut-short clean-up
+    ran = []
+    accept = llm.engine._accept
+
+    def counting_accept(step, out):  # every sequence each step runs
+        ran.append(len(step.items))
+        return accept(step, out)
+
+    monkeypatch.setattr(llm.engine, "_accept", counting_accept)
+    assert tokens(llm.generate(["One day"], params)) == [want[PROMPTS.index("One day")]]
+    assert max(ran) == 1  # the leftovers were aborted, not run beside it
+    assert_idle(llm)
