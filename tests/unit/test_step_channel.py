@@ -98,6 +98,24 @@ def test_a_message_the_actor_cannot_read_is_answered_with_an_error() -> None:
     client.close()
 
 
+def test_a_relayed_message_with_no_engine_to_answer_keeps_the_relay() -> None:
+    """A relayed message that arrives before the engine's destination connection has nobody to
+    answer: it is logged and the relay connection serves on (the next message, once the
+    destination is there, is answered on it), readable or not."""
+    from keyserve.actors.step_channel import RELAY
+
+    served = threading.Event()
+    _, address = _endpoint(add=lambda a, b: a + b, mark=served.set)
+    relay = ChannelClient(address, TOKEN, role=RELAY)
+    relay.send(encode(("add", (1, 2))))
+    relay.send(b"cnowhere.module\nThing\n.")  # unreadable, and nobody to tell
+    relay.send(encode(("mark", ())))
+    assert served.wait(30)  # all three handled before the engine connects
+    destination = ChannelClient(address, TOKEN, role=DESTINATION)
+    relay.send(encode(("add", (2, 3))))
+    assert destination.recv() == 5
+
+
 def test_a_connection_without_the_token_is_refused() -> None:
     _, address = _endpoint(echo=lambda x: x)
     with pytest.raises(ChannelClosed, match="refused"):

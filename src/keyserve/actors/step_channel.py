@@ -173,10 +173,12 @@ class ChannelServer:
         except (ChannelClosed, OSError):
             return False
         try:
-            payload = self._reply(*_request(frame))
+            method, args = _request(frame)
         except UnreadableMessage as e:
             log.warning("step channel: %s", e)
-            payload = encode((False, e))
+            method, payload = "?", encode((False, e))
+        else:
+            payload = self._reply(method, args)
         to = self.destination if relayed else conn
         if to is None:
             log.warning("step channel: a relayed %r has no engine to answer", method)
