@@ -173,17 +173,11 @@ class ChatMessage(_Request):
     content: str | list[TextPart] | None = Field(None, description="Text, or a list of text parts.")
     name: str | None = None
 
-    def as_template_dict(self) -> dict[str, str]:
-        """What the tokenizer's chat template expects (developer is the system role); ``name``
-        reaches the template, as in vLLM."""
-        content = self.content
-        if isinstance(content, list):
-            content = "\n".join(p.text for p in content)
-        role = "system" if self.role == "developer" else self.role
-        out = {"role": role, "content": content or ""}
-        if self.name is not None:
-            out["name"] = self.name
-        return out
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as sent; ``LLMEngine.apply_chat_template`` makes it what the template
+        expects (``template_message``: developer is system, parts joined, no content is ""),
+        as for ``LLM.chat`` and batch jobs."""
+        return self.model_dump(exclude_none=True)
 
 
 class ChatCompletionRequest(_SamplingFields):
