@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from keyserve.core.prompt_context import prompt_context
 from keyserve.engine.detokenizer import IncrementalDetokenizer
 
 from live_server import LiveServer, live_server
@@ -23,7 +24,7 @@ def test_text_offsets_skip_special_tokens(server: LiveServer) -> None:
     ids = tok.encode("Lily saw a dog", add_special_tokens=False)
     ids = ids[:2] + [tok.eos_token_id, tok.bos_token_id] + ids[2:]
     prompt = tok.encode("Once upon a time", add_special_tokens=True)
-    detok = IncrementalDetokenizer(tok, [], prompt)
+    detok = IncrementalDetokenizer(tok, [], prompt_context(tok, prompt))
     for t in ids:
         detok.append(t)
     assert detok.text.startswith(" Lily")  # after the prompt, its first word keeps its space
@@ -40,7 +41,7 @@ def test_chat_logprob_bytes_rebuild_a_split_character(server: LiveServer) -> Non
     tok = server.engine.tokenizer
     ids = tok.encode("Lily said こむ 🙂", add_special_tokens=False)
     prompt = tok.encode("Once upon a time", add_special_tokens=True)
-    detok = IncrementalDetokenizer(tok, [], prompt)
+    detok = IncrementalDetokenizer(tok, [], prompt_context(tok, prompt))
     for t in ids:
         detok.append(t)
     detok.flush()

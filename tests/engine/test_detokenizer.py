@@ -7,6 +7,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
+from keyserve.core.prompt_context import prompt_context
 from keyserve.engine.detokenizer import IncrementalDetokenizer
 from keyserve.model.paths import DEFAULT_MODEL_NAME, models_dir
 
@@ -171,12 +172,12 @@ def test_the_first_word_keeps_its_space_after_the_prompt(stories_path, backend):
                    tok.encode("The café", add_special_tokens=False) + cut):
         ids = tok.encode(" upon a time, a girl", add_special_tokens=False)
         if backend == "stream":
-            detok = IncrementalDetokenizer(tok, [], prompt)
+            detok = IncrementalDetokenizer(tok, [], prompt_context(tok, prompt))
         else:
             class SlowOnly:  # no Rust backend: the full-decode path
                 def decode(self, ids, skip_special_tokens):
                     return tok.decode(ids, skip_special_tokens=skip_special_tokens)
-            detok = IncrementalDetokenizer(SlowOnly(), [], prompt)
+            detok = IncrementalDetokenizer(SlowOnly(), [], prompt_context(tok, prompt))
         pieces = [detok.append(t) for t in ids] + [detok.flush()]
         assert "".join(pieces) == detok.text
         assert detok.text == _after_prompt(tok, prompt, ids)

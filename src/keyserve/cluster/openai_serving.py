@@ -42,12 +42,12 @@ from keyserve.cluster.openai_protocol import (
     PromptTokensDetails,
     Usage,
 )
+from keyserve.cluster.token_bytes import TokenBytes
 from keyserve.config import EngineConfig, ServeConfig
 from keyserve.core.prompt_context import prompt_context
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from keyserve.engine.outputs import CompletionOutput, RequestOutput
-from keyserve.cluster.token_bytes import TokenBytes
 
 Kind = Literal["completions", "chat"]
 DONE = "data: [DONE]\n\n"
@@ -354,7 +354,7 @@ class OpenAIServing:
         as the detokenizer's, ``prompt_context``) and without special tokens, as the text is
         (a special token adds nothing, so later ``text_offset``s still point into the text)."""
         tok = self.engine.tokenizer
-        head = prompt_context(tok, prompt_ids) if prompt_ids else []
+        head = prompt_context(tok, prompt_ids) if prompt_ids and start < 4 else []  # first 4 only
         pieces = []
         for i in range(start, len(token_ids)):
             ctx = token_ids[max(0, i - 4):i] if i >= 4 else head + token_ids[:i]

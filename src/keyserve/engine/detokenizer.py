@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from keyserve.core.prompt_context import prompt_context
-
 try:  # the Rust incremental decoder (tokenizers >= 0.21)
     from tokenizers.decoders import DecodeStream
 except ImportError:  # pragma: no cover - older tokenizers: the full-decode path below
@@ -44,24 +42,26 @@ class IncrementalDetokenizer:
     characters.
     """
 
-    def __init__(self, tokenizer: Any, stop: list[str], prompt_token_ids: list[int] | None = None) -> None:
-        """``prompt_token_ids``: the text is decoded after the prompt's last tokens
-        (``prompt_context``); without them, as the output's own decode."""
+    def __init__(self, tokenizer: Any, stop: list[str], context: list[int] | None = None) -> None:
+        """``context``: the prompt's last tokens the text is decoded after (``prompt_context``'s
+        choice, made once per request for all its samples); none: the output's own decode."""
         self.tokenizer = tokenizer
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.text = ""
         self.stopped_at: int | None = None  # length of text before the stop string
-        context = prompt_context(tokenizer, prompt_token_ids) if prompt_token_ids else []
-        self._prefix = context  # the full-decode path: the output is decoded after these
-        self._prefix_text = tokenizer.decode(context, skip_special_tokens=True) if context else ""
+        context = list(context or [])
         self._ids: list[int] = []
         self._backend = _stream_backend(tokenizer)
         self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
         self._pending: list[int] = []  # ids given since the stream's last piece (it holds them)
         self._context: list[int] = []  # the ids of that piece: decode context for ``_tail``
+        self._prefix: list[int] = []  # the full-decode path: the output is decoded after these
+        self._prefix_text = ""
         if self._stream is not None and context:
             self._prime(context)
+        elif context:
+            self._prefix, self._prefix_text = context, tokenizer.decode(context, skip_special_tokens=True)
 
     def _prime(self, context: list[int]) -> None:
         """Step the stream through the prompt's last tokens, discarding their text (a window
@@ -72,7 +72,7 @@ class IncrementalDetokenizer:
         except Exception:  # noqa: BLE001 — e.g. bytes the prompt cut in two: no context then
             self._stream = DecodeStream(skip_special_tokens=True)
             return
-        self._context = list(context)
+        self._context = context
 
     def _decode_output(self) -> str:
         """The full-decode path: the output's text after the prompt's context."""

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from keyserve.config import EngineConfig
+from keyserve.core.prompt_context import prompt_context
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import FinishReason, Sequence, SequenceStatus
 from keyserve.engine.admission import EngineLimits, admit_params, check_token_ids
@@ -227,8 +228,9 @@ class LLMEngine:
             pending_forks=seqs[1:],
             forced_token_ids=list(forced_token_ids) if forced_token_ids is not None else None,
         )
+        context = prompt_context(self.tokenizer, req.prompt_token_ids)  # once for all the samples
         for seq in seqs:  # everything that can raise, before anything is registered
-            req.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop, req.prompt_token_ids)
+            req.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop, context)
         for seq in seqs:
             self._seq_owner[seq.seq_id] = req
             self._seqs[seq.seq_id] = seq
