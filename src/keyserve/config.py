@@ -124,6 +124,13 @@ class SchedulerSettings(_Strict):
     )
     max_num_seqs: int = Field(64, ge=1, description="Sequences running at once.")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
+    num_scheduler_steps: int = Field(
+        1, ge=1, le=64,
+        description="Decode steps the model side runs per scheduling round once every request is "
+        "past its prompt (vLLM's multi-step scheduling): the orchestration of a step (scheduling, "
+        "KV bookkeeping, on Ray the actor hops) is paid once per N tokens, and tokens stream in "
+        "bursts of up to N. 1: every token is its own round.",
+    )
 
 
 class SpeculativeConfig(_Strict):

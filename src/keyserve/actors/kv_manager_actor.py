@@ -71,20 +71,20 @@ class KVManagerActor:
 
     def step(
         self, batches: list[Batch], schedule: bool, lookahead: dict[int, int] | None,
-        incarnation: str | None,
+        incarnation: str | None, multi_step: bool = False,
     ) -> tuple[CoreReply, CoreStats] | None:
         """Apply the queued command batches (each once: a step that failed after this actor
         read it is sent again), then (``schedule``) the next step with the model-side ops
         accumulated since the last one, and the core's counts. ``lookahead``: the draft tokens
-        the engine's speculative policy wants per sequence (``KVCore.schedule``). None: this
-        actor restarted and holds none of the engine's requests (``incarnation`` is not its own)."""
+        the engine's speculative policy wants per sequence, or the extra decode steps of a
+        multi-step round (``multi_step``, ``KVCore.schedule``). None: this actor restarted and holds none of the engine's requests (``incarnation`` is not its own)."""
         with self.endpoint.lock:  # the channel's thread or Ray's, one at a time
-            reply = self._step(batches, schedule, lookahead, incarnation)
+            reply = self._step(batches, schedule, lookahead, incarnation, multi_step)
             return self._with_counts(reply)
 
     def _step(
         self, batches: list[Batch], schedule: bool, lookahead: dict[int, int] | None,
-        incarnation: str | None,
+        incarnation: str | None, multi_step: bool = False,
     ) -> CoreReply | None:
         if incarnation not in (None, self.incarnation):
             return None
@@ -99,7 +99,7 @@ class KVManagerActor:
                 stats.update(result.seq_stats)
         step = None
         if schedule:
-            scheduled = self.core.schedule(lookahead)
+            scheduled = self.core.schedule(lookahead, multi_step)
             stats.update(scheduled.seq_stats)
             step = scheduled.step
             if step is None and self.ops:  # nothing to run, but ops for the model side
@@ -125,7 +125,7 @@ class KVManagerActor:
     def _graph_schedule(self, request: "CoreRequest") -> tuple[StepInput | None, CoreReply | None]:
         """``graph_step`` without the core's counts (the relay takes them after handing the
         step on)."""
-        reply = self._step(request.batches, True, request.lookahead, request.incarnation)
+        reply = self._step(request.batches, True, request.lookahead, request.incarnation, request.multi_step)
         if reply is None:
             return None, None
         step, reply.step = reply.step, None
@@ -164,6 +164,7 @@ class CoreRequest:
     batches: list[Batch]
     lookahead: dict[int, int] | None
     incarnation: str | None
+    multi_step: bool = False  # the lookahead is a multi-step round's extra decode steps
 
 
 def core_copy(seq: Sequence) -> Sequence:
@@ -212,8 +213,8 @@ class RemoteCore:
         self.commands.append(("commit", output))
         return CoreReply()
 
-    def schedule(self, lookahead: dict[int, int] | None = None) -> CoreReply:
-        return self._call(schedule=True, lookahead=lookahead)
+    def schedule(self, lookahead: dict[int, int] | None = None, multi_step: bool = False) -> CoreReply:
+        return self._call(schedule=True, lookahead=lookahead, multi_step=multi_step)
 
     def stats(self) -> CoreStats:
         """The core's counts as of the last step (they come back with every call)."""
@@ -236,8 +237,8 @@ class RemoteCore:
             self.commands = []
         return list(self.unanswered)
 
-    def _call(self, schedule: bool, lookahead: dict[int, int] | None = None) -> CoreReply:
-        args = (self._batches(), schedule, lookahead, self.incarnation)
+    def _call(self, schedule: bool, lookahead: dict[int, int] | None = None, multi_step: bool = False) -> CoreReply:
+        args = (self._batches(), schedule, lookahead, self.incarnation, multi_step)
         try:
             if not self.parallel.step_channels:
                 return self.answer(ray.get(self.actor.step.remote(*args)))
@@ -259,9 +260,9 @@ class RemoteCore:
             self.channel.close()
             self.channel = None
 
-    def request(self, lookahead: dict[int, int] | None) -> CoreRequest:
+    def request(self, lookahead: dict[int, int] | None, multi_step: bool = False) -> CoreRequest:
         """The queued commands as a compiled step's input (``KVManagerActor.graph_step``)."""
-        return CoreRequest(self._batches(), lookahead, self.incarnation)
+        return CoreRequest(self._batches(), lookahead, self.incarnation, multi_step)
 
     def answer(self, answer: tuple[CoreReply, CoreStats] | None) -> CoreReply:
         """The actor's answer to a step (plain call or compiled graph); raises ``CoreLost``

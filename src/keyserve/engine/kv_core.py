@@ -116,11 +116,13 @@ class KVCore:
         return list(dict.fromkeys(seq.request_id for seq in self.scheduler.waiting))
 
     # -------------------------------------------------------------- schedule
-    def schedule(self, lookahead: dict[int, int] | None = None) -> CoreReply:
+    def schedule(self, lookahead: dict[int, int] | None = None, multi_step: bool = False) -> CoreReply:
         """The next step's input (or None) and the stats of sequences it preempted.
         ``lookahead``: seq_id -> draft tokens to reserve KV for (the engine's
         ``SpeculativeDecoder.lookaheads``; None = no speculation this step). Only a decoding
-        sequence gets them, and under a KV budget only once its prompt-phase selection is done."""
+        sequence gets them, and under a KV budget only once its prompt-phase selection is done.
+        ``multi_step``: the lookahead is extra decode steps the model side runs itself
+        (``core/multi_step.py``), not slots for drafts."""
         if lookahead is None:  # no speculation this step (the common case: no per-sequence work)
             if self._lookahead_set:
                 for seq in self.scheduler.running:
@@ -157,6 +159,8 @@ class KVCore:
                 item = _item(scheduled, sample_seq_ids=[t.seq_id for t in targets])
             else:
                 item = _item(scheduled)
+            if multi_step and scheduled.num_lookahead:
+                item.decode_rows = True  # its first token is a decode row, as are the next ones
             items.append(item)
             flight.bases[seq_id] = len(outputs)  # siblings: none (not in bases)
             if seq_id not in known:
@@ -167,7 +171,8 @@ class KVCore:
                     infos[s.seq_id] = SeqInfo(s.params, s.sample_index)
                     known.add(s.seq_id)
         self.inflight = flight
-        step = StepInput(items, len(plan.decode), list(plan.blocks_to_copy), infos, step=self.num_steps)
+        step = StepInput(items, len(plan.decode), list(plan.blocks_to_copy), infos, step=self.num_steps,
+                         multi_step=multi_step)
         self.num_steps += 1
         return CoreReply(step, seq_stats=stats)
 

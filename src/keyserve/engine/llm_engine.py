@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from keyserve.config import EngineConfig
+from keyserve.core.multi_step import multi_step_lookahead
 from keyserve.core.prompt_context import prompt_context
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import FinishReason, Sequence, SequenceStatus
@@ -318,7 +319,7 @@ class LLMEngine:
         bookkeeping), with its batch size and drafts per sequence. Steps with a prompt chunk
         are left out: their cost is the prompt's."""
         step = self._running_step
-        if self.speculative is None or step is None or step.is_empty:
+        if self.speculative is None or step is None or step.is_empty or step.multi_step:
             return
         items = step.items
         after_prompt, self._cost_after_prompt = self._cost_after_prompt, False
@@ -346,7 +347,8 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         drafter = self.drafter
         speculate = drafter is not None and getattr(drafter, "available", True)
-        scheduled = self.core.schedule(self._lookahead() if speculate else None)
+        multi = None if speculate else self._multi_step_lookahead()
+        scheduled = self.core.schedule(self._lookahead() if speculate else multi, multi is not None)
         self._apply_seq_stats(scheduled.seq_stats)
         step = self._running_step = scheduled.step
         self.last_step_empty = step is None or step.is_empty
@@ -367,6 +369,16 @@ class LLMEngine:
         assert self.speculative is not None
         live = (s for s in self._seqs.values() if s.output_token_ids and not s.is_finished)
         return self.speculative.lookaheads(live, self.max_model_len)
+
+    def _multi_step_lookahead(self) -> dict[int, int] | None:
+        """Extra decode steps per sequence for the next round (``core/multi_step.py``), or None
+        for a single step."""
+        steps = self.config.scheduler.num_scheduler_steps
+        if steps <= 1:
+            return None
+        live = [s for s in self._seqs.values() if not s.is_finished]
+        forced = {s.seq_id for r in self.requests.values() if r.forced_token_ids for s in r.all_seqs}
+        return multi_step_lookahead(live, steps, self.max_model_len, forced)
 
     def _propose(self, step: StepInput) -> torch.Tensor | None:
         """Draft tokens for every item with reserved lookahead, in one batched call; items the
@@ -406,14 +418,15 @@ class LLMEngine:
         # tokens cut at its stop, which sequences finished, drafts accepted.
         kept = StepOutput()
         for item in items:
-            verifies = bool(item.draft_token_ids)
+            # a verified draft run, or a multi-step round (core/multi_step.py) committed alike
+            verifies = bool(item.draft_token_ids) or item.seq_id in out.num_accepted
             if not (verifies or item.forced_token_id is not None or item.sample_seq_ids):
                 continue  # a prompt chunk that does not complete the prompt
             req = owner[item.seq_id]
             try:
                 if verifies:
                     accepted = out.num_accepted[item.seq_id]
-                    if self.speculative is not None:
+                    if self.speculative is not None and item.draft_token_ids:
                         self.speculative.record(req.request_id, item.seq_id, len(item.draft_token_ids), accepted)
                     self._emit(req, self._seqs[item.seq_id], out, now, kept)
                     kept.num_accepted[item.seq_id] = accepted

@@ -30,6 +30,7 @@ from keyserve.engine.kv_budget.pooling import pool_over_layer
 from keyserve.engine.kv_budget.replicas import sum_over_replicas
 from keyserve.engine.kv_budget.slots import AttentionRows, ScoreRows, SlotPlanner
 from keyserve.engine.kv_budget.tracker import KVBudgetTracker
+from keyserve.engine.multi_step import decode_on
 from keyserve.engine.step_input import (
     CompactOp,
     ForkOp,
@@ -309,7 +310,10 @@ class ModelRunner:
         scores = sum_over_replicas(scores, self.model.tp, self.model.config.num_key_value_heads)
         scores = pool_over_layer(scores, inputs.score_rows, self.model.tp, self.model.config.num_key_value_heads)
         self.budget.accumulate_step(inputs.score_rows, scores, failed)
+        # multi-step: the round's extra decode steps (engine/multi_step.py), after its first samples
+        more = [it for it in sampled if it.num_lookahead] if step.multi_step else []
         if not self.is_driver:
+            decode_on(self, more, None)
             return out
         if inputs.score_rows:  # budgeted sequences' (held, evicted) after this step
             for item in items:
@@ -333,7 +337,8 @@ class ModelRunner:
             out.logprobs[item.seq_id] = [float(lp)]
         self._mark_generators(sampled, verify)
         if targets:  # before verification: both may draw from the global RNG, in this order
-            self._sample(targets, all_logits[: len(targets)], out)
+            self.sample(targets, all_logits[: len(targets)], out)
+        decode_on(self, more, out)
         if verify:
             first_rows = {item.seq_id: first for item, first, _ in raw[: len(verify)]}
             self._verify(verify, all_logits, first_rows, draft_probs, out)
@@ -351,7 +356,7 @@ class ModelRunner:
             for seq_id in item.sample_seq_ids if not item.draft_token_ids else [item.seq_id]:
                 marks.before_draws(seq_id, gens.get(seq_id), item.num_output_tokens)
 
-    def _sample(self, targets: list[int], logits: torch.Tensor, out: StepOutput) -> None:
+    def sample(self, targets: list[int], logits: torch.Tensor, out: StepOutput) -> None:
         """One token per target row (``logits`` [len(targets), vocab]). If the batch raises,
         each row is sampled alone (the error path) and the rows that still raise fail their
         sequence alone. Their parameters are processed before any generator draws, so the

@@ -131,6 +131,9 @@ class StepInput:
     seq_infos: dict[int, SeqInfo] = field(default_factory=dict)  # sequences new to the executor
     ops: list[RunnerOp] = field(default_factory=list)  # applied first, in order
     step: int = 0
+    # The items' lookahead is extra decode steps (core/multi_step.py): the model side runs
+    # them back to back, each fed its own samples, and answers as for an accepted draft run.
+    multi_step: bool = False
 
     @property
     def decode(self) -> list[StepItem]:
