@@ -8,11 +8,15 @@
    share of it: the time the driver waits in Ray calls (the compiled graph's submit and read,
    or the plain path's KV-block manager and target group calls) beyond the runner's own work;
 3. TP = 2 and 3 (graph and channels) against TP = 1 on the Ray engine (on a 2-core machine this
-   shows overhead, not speed-up: the shards share two cores and add two all-reduces per layer).
+   shows overhead, not speed-up: the shards share two cores and add two all-reduces per layer);
+4. multi-step scheduling (``--num-scheduler-steps``, ``core/multi_step.py``): the in-process
+   engine and the TP = 1 graph and relay paths with N decode steps per scheduling round, each
+   against the in-process engine with the same N (per decode step: a round's time / N).
 
 Each figure is the best of ``--repeats`` timed runs after a warm-up (the machine may be shared).
 
-    python bench/ray_bench.py [--decode-tokens 48] [--threads 1] [--repeats 3] [--tp 2 3] [--no-write]
+    python bench/ray_bench.py [--decode-tokens 48] [--threads 1] [--repeats 3] [--tp 2 3]
+                              [--multi-step 4] [--no-write]
 """
 
 from __future__ import annotations
@@ -106,11 +110,10 @@ def decode(engine, batch: int, decode_tokens: int) -> dict[str, float]:
         engine.step()
     runner = RunnerTime(engine)
     calls = ray_calls(engine)
-    steps, start = 0, time.perf_counter()
+    start = time.perf_counter()
     try:
         while engine.has_unfinished_requests():
             engine.step()
-            steps += 1
     finally:
         runner.remove()
         for t in calls:
@@ -119,6 +122,7 @@ def decode(engine, batch: int, decode_tokens: int) -> dict[str, float]:
     if hasattr(engine, "flush"):
         engine.flush()
     ray_s = sum(t.total for t in calls)
+    steps = decode_tokens  # decode steps (positions), whatever number of them one engine step runs
     return {
         "tok_s": batch * decode_tokens / elapsed,
         "step_ms": 1e3 * elapsed / steps,
@@ -179,8 +183,12 @@ def main() -> None:
     ap.add_argument("--tp", type=int, nargs="*", default=[2, 3],
                     help="tensor-parallel sizes compared with TP = 1 (one that does not fit the model is skipped, "
                     "named in the report: SmolLM2-135M's 9 heads take 3, not 2)")
+    ap.add_argument("--multi-step", type=int, default=4,
+                    help="decode steps per scheduling round of the multi-step engines (in-process, TP=1 graph and "
+                    "relay); 1 runs none")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = ap.parse_args()
+    multi = args.multi_step if args.multi_step > 1 else None
 
     import ray
 
@@ -199,6 +207,8 @@ def main() -> None:
     skipped = []
     try:
         engines["in-process"] = LLMEngine(EngineConfig.from_flat(**opts))
+        if multi:
+            engines[f"in-process x{multi}"] = LLMEngine(EngineConfig.from_flat(**opts, num_scheduler_steps=multi))
         arch = engines["in-process"].loaded.config  # type: ignore[attr-defined]
         for tp in (1, *args.tp):
             try:
@@ -206,11 +216,14 @@ def main() -> None:
             except ValueError as e:
                 skipped.append(f"TP = {tp}: {e}")
                 continue
-            for path in PATHS if tp == 1 else PATHS[:2]:
-                engines[f"ray tp={tp} {path}"] = RayEngine(EngineConfig.from_flat(
+            runs = [(path, 1) for path in (PATHS if tp == 1 else PATHS[:2])]
+            if tp == 1 and multi:
+                runs += [(path, multi) for path in PATHS[:2]]
+            for path, steps in runs:
+                engines[f"ray tp={tp} {path}" + (f" x{steps}" if steps > 1 else "")] = RayEngine(EngineConfig.from_flat(
                     **opts, tp=tp, worker_threads=max(1, args.threads // tp), worker_num_cpus=0.1,
                     compiled_graph=path == "graph", step_channels=path in ("relay", "channels"),
-                    step_relay=path == "relay",
+                    step_relay=path == "relay", num_scheduler_steps=steps,
                     graph_idle_release_s=IDLE_RELEASE_S))
         rtt = round_trip_ms(engines["ray tp=1 graph"])
         by_batch = {b: interleaved(engines, b, args.decode_tokens, args.repeats) for b in BATCHES}
@@ -228,28 +241,37 @@ def main() -> None:
         ray.shutdown()
     results = {name: {b: by_batch[b][name] for b in BATCHES} for name in by_batch[BATCHES[0]]}
 
-    base = results["in-process"]
+    def baseline(name: str) -> dict:
+        """The in-process engine with the same steps per round."""
+        return results[f"in-process x{multi}"] if multi and name.endswith(f" x{multi}") else results["in-process"]
+
     rows = []
     for name, res in results.items():
+        base = baseline(name)
+        local = name.startswith("in-process")
         for b in BATCHES:
             r = res[b]
             over = r["orchestration_ms"] - base[b]["orchestration_ms"]
             rows.append([name, b, round(r["tok_s"], 1), round(r["step_ms"], 2), round(r["orchestration_ms"], 2),
-                         "" if name == "in-process" else round(over, 2),
-                         "" if name == "in-process" else round(r["ray_ms"], 2),
-                         f"{r['tok_s'] / base[b]['tok_s'] - 1:+.1%}"])
-    table = markdown_table(["engine", "batch", "decode tok/s", "ms/step", "ms/step outside the runner",
-                            "Ray orchestration ms/step", "waiting in Ray ms/step", "tok/s vs in-process"], rows)
+                         "" if local else round(over, 2),
+                         "" if local else round(r["ray_ms"], 2),
+                         f"{r['tok_s'] / base[b]['tok_s'] - 1:+.1%}",
+                         f"{r['tok_s'] / results['in-process'][b]['tok_s'] - 1:+.1%}"])
+    table = markdown_table(["engine", "batch", "decode tok/s", "ms/decode step", "ms/decode step outside the runner",
+                            "Ray orchestration ms/decode step", "waiting in Ray ms/decode step",
+                            "tok/s vs in-process, same steps per round", "tok/s vs in-process, 1 step per round"], rows)
     targets = []
-    for mode in PATHS:
+    for mode in list(PATHS) + ([f"{p} x{multi}" for p in PATHS[:2]] if multi else []):
         r1 = results[f"ray tp=1 {mode}"]
+        base = baseline(mode)
         for b, limit in ((1, 0.05), (16, 0.03)):
             over = r1[b]["orchestration_ms"] - base[b]["orchestration_ms"]
             loss = 1 - r1[b]["tok_s"] / base[b]["tok_s"]
-            floor_share = floor["step-shaped"]["median"] / base[b]["step_ms"]
+            per_round = multi if multi and mode.endswith(f" x{multi}") else 1  # the floor is paid once a round
+            floor_share = floor["step-shaped"]["median"] / per_round / base[b]["step_ms"]
             targets.append([mode, b, round(over, 2), "yes" if over <= 1.0 else "no",
                             f"{loss:.1%}", "yes" if loss <= limit else "no", f"{floor_share:.1%}"])
-    target_table = markdown_table(["TP=1 path", "batch", "orchestration ms/step", "<= 1 ms",
+    target_table = markdown_table(["TP=1 path", "batch", "orchestration ms/decode step", "<= 1 ms",
                                    "throughput loss", "<= 5 % (batch 1) / 3 % (batch 16)",
                                    "the graph floor's share of an in-process step"], targets)
     step_floor, one_floor, idle_floor = floor["step-shaped"], floor["one actor"], floor["step-shaped, idle"]
@@ -274,7 +296,10 @@ def main() -> None:
     body = (
         f"{args.model or 'SmolLM2-135M-Instruct'}, float32, greedy, {args.decode_tokens} decode tokens per request after "
         f"a 32-token prompt; torch threads {args.threads} (TP=N: {args.threads} // N, at least 1, per shard); "
-        f"the engines take turns, best of {args.repeats}. *graph*: each step one execution of the Ray Compiled "
+        f"the engines take turns, best of {args.repeats}. Every figure is per decode step (one token "
+        f"per request); *xN*: multi-step scheduling, N decode steps per scheduling round "
+        f"(`--num-scheduler-steps N`), compared with the in-process engine at the same N. "
+        f"*graph*: each step one execution of the Ray Compiled "
         f"Graph (KV-block manager -> target shards, shared-memory channels); *relay*: the same graph over the "
         f"actors' step channels (sockets, blocking reads): the driver sends the KV-block manager its request, "
         f"the KV-block manager hands the step to shard rank 0, which hands it on to the other ranks, the shards answer the driver; *channels*: the "

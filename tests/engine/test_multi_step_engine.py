@@ -1,0 +1,124 @@
+"""Multi-step scheduling (``num_scheduler_steps``, core/multi_step.py, engine/multi_step.py)
+changes how many decode steps one scheduling round runs, never a token: the oracle is the same
+engine with one step per round, on a mix of greedy and seeded sampled requests with
+log-probabilities, stop strings inside a round, n > 1 forks, KV budgets beside them and
+preemptions in a small pool."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from keyserve import LLM, SamplingParams
+
+WORDS = "once upon a time there was a little girl named lily she loved to play outside in the park".split()
+OPTIONS = dict(num_blocks=60, block_size=8, max_num_batched_tokens=256)  # small: 24 requests preempt
+
+
+def _prompts(count: int, seed: int = 3) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 40))) for _ in range(count)]
+
+
+def _params(i: int) -> SamplingParams:
+    sampled = i % 3 == 1
+    budgeted = i % 8 == 6
+    return SamplingParams(
+        max_tokens=8 + (i * 5) % 29, temperature=0.8 if sampled else 0.0, top_p=0.9 if i % 6 == 1 else 1.0,
+        top_k=40 if i % 6 == 4 else 0, seed=200 + i if sampled else None, n=2 if i % 7 == 3 else 1,
+        logprobs=True, ignore_eos=i % 5 == 0, stop=[" play", "Lily."] if i % 4 == 2 else None,
+        kv_policy="h2o" if budgeted else None, kv_budget=0.5 if budgeted else None,
+    )
+
+
+def _run(stories_path: str, steps: int, **options) -> tuple[LLM, list]:
+    llm = LLM(stories_path, num_scheduler_steps=steps, **{**OPTIONS, **options})
+    prompts = _prompts(24)
+    return llm, llm.generate(prompts, [_params(i) for i in range(24)])
+
+
+@pytest.fixture(scope="module")
+def single(stories_path: str) -> tuple[LLM, list]:
+    return _run(stories_path, 1)
+
+
+def _same(want: list, got: list) -> None:
+    for a, b in zip(want, got, strict=True):
+        assert len(a.outputs) == len(b.outputs)
+        for x, y in zip(a.outputs, b.outputs):
+            assert y.token_ids == x.token_ids
+            assert y.text == x.text
+            assert y.finish_reason == x.finish_reason
+            torch.testing.assert_close(torch.tensor(y.logprobs), torch.tensor(x.logprobs), atol=1e-5, rtol=0)
+        assert b.stats.generated_tokens == a.stats.generated_tokens
+        assert b.stats.kv_tokens_evicted == a.stats.kv_tokens_evicted
+
+
+@pytest.mark.parametrize("steps", [2, 5])
+def test_n_steps_per_round_emit_what_one_step_per_round_emits(stories_path: str, single, steps: int) -> None:
+    one_llm, want = single
+    llm, got = _run(stories_path, steps)
+    _same(want, got)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0  # the small pool preempted, as with one step per round
+    assert sum(o.finish_reason == "stop" for r in got for o in r.outputs) >= 2  # stop strings inside rounds
+    assert any(r.stats.kv_tokens_evicted for r in got)  # budgets ran beside the multi-step rounds
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert llm.engine.num_steps < one_llm.engine.num_steps  # fewer rounds for the same tokens
+
+
+def test_a_lone_request_runs_in_rounds_of_n_tokens(stories_path: str) -> None:
+    """40 tokens at 4 per round: the prompt's round (its first token), then 39 more in 10
+    rounds of at most 4 -- each round's tokens arrive together."""
+    llm = LLM(stories_path, num_scheduler_steps=4, num_blocks=64)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    rid = engine.add_request("once upon a time", params)
+    sizes, seen = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                n = len(out.outputs[0].token_ids)
+                sizes.append(n - seen)
+                seen = n
+    assert sizes == [1] + [4] * 9 + [3]
+    [want] = LLM(stories_path, num_blocks=64).generate("once upon a time", params)
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_a_new_prompt_waits_at_most_one_round(stories_path: str) -> None:
+    """A request that arrives while others decode in rounds of 8 gets its first token from the
+    next step: a round is never started while a prompt waits."""
+    llm = LLM(stories_path, num_scheduler_steps=8, num_blocks=64)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request("once upon a time", params)
+    engine.step()  # its prompt
+    engine.step()  # a round of 8
+    late = engine.add_request("lily and ben", params)
+    outs = {o.request_id: o for o in engine.step()}
+    assert len(outs[late].outputs[0].token_ids) == 1
+    assert len(engine._running_step.items) == 2 and not engine._running_step.multi_step
+
+
+def test_a_step_run_twice_emits_the_same_seeded_tokens(stories_path: str) -> None:
+    """A round whose result was lost and that runs again (the Ray engine after a fault) draws
+    the same: each sampled sequence's generator is marked once per round, before its first
+    draw (marking it again before each extra step would rewind the rerun to the round's last
+    step and change every token after)."""
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2)]
+    prompts = ["once upon a time", "the dog ran to the park"]
+    want = [o.outputs[0].token_ids for o in LLM(stories_path, num_blocks=64).generate(prompts, params)]
+    llm = LLM(stories_path, num_scheduler_steps=4, num_blocks=64)
+    runner = llm.engine.runner
+    real = runner.execute
+
+    def twice(*args, **kwargs):
+        real(*args, **kwargs)
+        return real(*args, **kwargs)
+
+    runner.execute = twice
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
