@@ -122,3 +122,17 @@ def test_a_step_run_twice_emits_the_same_seeded_tokens(stories_path: str) -> Non
     runner.execute = twice
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want
+
+
+def test_rounds_run_under_a_full_queue_as_in_a_batch_job(stories_path: str) -> None:
+    """Eight requests for two seats: the queued ones cannot start before a seat is free, so
+    the two running decode in rounds meanwhile; each queued one starts in the round after a
+    seat frees, and every request emits what it emits with single steps."""
+    prompts = _prompts(8, seed=11)
+    params = [SamplingParams(max_tokens=12 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(8)]
+    one = LLM(stories_path, max_num_seqs=2, num_blocks=64)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    rounds = LLM(stories_path, max_num_seqs=2, num_blocks=64, num_scheduler_steps=4)
+    got = [o.outputs[0].token_ids for o in rounds.generate(prompts, params)]
+    assert got == want
+    assert rounds.engine.num_steps < 0.5 * one.engine.num_steps

@@ -378,7 +378,7 @@ class LLMEngine:
             return None
         live = [s for s in self._seqs.values() if not s.is_finished]
         forced = {s.seq_id for r in self.requests.values() if r.forced_token_ids for s in r.all_seqs}
-        return multi_step_lookahead(live, steps, self.max_model_len, forced)
+        return multi_step_lookahead(live, steps, self.max_model_len, self.config.scheduler.max_num_seqs, forced)
 
     def _propose(self, step: StepInput) -> torch.Tensor | None:
         """Draft tokens for every item with reserved lookahead, in one batched call; items the
