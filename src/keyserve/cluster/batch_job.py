@@ -51,6 +51,10 @@ NO_FLAG = {
     "request_timeout_s": "--timeout-s (default: none) sets it for the job",
 }
 EXIT_UNFINISHED = 3
+# Nobody watches a batch job's tokens stream: decode in rounds of 4 steps (multi-step
+# scheduling, core/multi_step.py), the orchestration paid once per round. The outputs are the
+# same at any value; --num-scheduler-steps 1 turns it off.
+BATCH_SCHEDULER_STEPS = 4
 
 
 @dataclass
@@ -242,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fsync", action="store_true",
                    help="do not fdatasync each record (a kill -9 still loses nothing; a power cut may)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(batch_flags=add_model_fields(p, ServeConfig, exclude=NO_FLAG, title="server"))
+    p.set_defaults(batch_flags=add_model_fields(p, ServeConfig, exclude=NO_FLAG, title="server",
+                                                defaults={"num_scheduler_steps": BATCH_SCHEDULER_STEPS}))
     return p
 
 
