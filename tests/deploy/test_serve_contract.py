@@ -26,7 +26,7 @@ FULL_VALUES = {
     "model": {"name": "/models/m", "servedModelName": "m", "dtype": "bfloat16", "tensorParallelSize": 2,
               "draft": "/models/d", "numSpeculativeTokens": 5},
     "kv": {"defaultPolicy": "keyformer", "defaultBudget": 0.25, "numBlocks": 1024},
-    "engine": {"maxNumSeqs": 16},
+    "engine": {"maxNumSeqs": 16, "numSchedulerSteps": 8},
     "serve": {"maxQueuedRequests": 10, "requestTimeoutS": 30.5, "maxOngoingRequests": 40, "numCpus": 2,
               "numGpus": 0.5, "deploymentName": "Server", "autoscaling": {"enabled": True}},
     "batchJob": {"enabled": True, "input": "/data/my in.jsonl", "extraArgs": []},
@@ -94,7 +94,7 @@ def test_serve_args_follow_the_values(case, rendered_cases):
         assert args == {
             "model": "/models/m", "served_model_name": "m", "dtype": "bfloat16", "tp": 2,
             "draft": "/models/d", "num_speculative_tokens": 5, "default_kv_policy": "keyformer",
-            "default_kv_budget": 0.25, "num_blocks": 1024, "max_num_seqs": 16,
+            "default_kv_budget": 0.25, "num_blocks": 1024, "max_num_seqs": 16, "num_scheduler_steps": 8,
             "max_queued_requests": 10, "request_timeout_s": 30.5, "deployment_name": "Server",
             "num_cpus": 2, "num_gpus": 0.5,
         }
@@ -159,7 +159,9 @@ def test_batch_entrypoint_quotes_its_arguments(case, rendered_cases):
         assert flags["--input"] == "/data/my in.jsonl"  # a space survives the shell
         assert flags["--draft"] == "/models/d" and flags["--num-blocks"] == "1024"
         assert flags["--tp"] == ("2" if case == "full" else "1")
+        assert flags["--num-scheduler-steps"] == "8"
     else:
+        assert "--num-scheduler-steps" not in flags  # the job's own default (4) stands
         assert flags["--input"] == "/data/in.jsonl" and flags["--output"] == "/data/out.jsonl"
 
 

@@ -20,6 +20,9 @@ Optional flags appear only when their value is set.
 {{- if not (kindIs "invalid" $v.kv.numBlocks) }}
 {{- $args = concat $args (list "--num-blocks" (toString (int $v.kv.numBlocks))) }}
 {{- end }}
+{{- if not (kindIs "invalid" $v.engine.numSchedulerSteps) }}
+{{- $args = concat $args (list "--num-scheduler-steps" (toString (int $v.engine.numSchedulerSteps))) }}
+{{- end }}
 {{- range $v.batchJob.extraArgs }}
 {{- $args = append $args (toString .) }}
 {{- end }}

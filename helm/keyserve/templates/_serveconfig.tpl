@@ -33,6 +33,9 @@ key never appears here: it reaches every Ray container as env KEYSERVE_API_KEY.
 {{- if not (kindIs "invalid" $v.kv.numBlocks) }}
 {{- $_ := set $args "num_blocks" (int $v.kv.numBlocks) }}
 {{- end }}
+{{- if not (kindIs "invalid" $v.engine.numSchedulerSteps) }}
+{{- $_ := set $args "num_scheduler_steps" (int $v.engine.numSchedulerSteps) }}
+{{- end }}
 {{- range $key := list "api_key" "deployment_name" }}
 {{- if hasKey ($v.serve.extraArgs | default dict) $key }}
 {{- fail (printf "serve.extraArgs.%s is not allowed: %s" $key (ternary "set apiKey instead (a Secret; the key never appears in serveConfigV2)" "set serve.deploymentName instead (the deployment's settings use that name)" (eq $key "api_key"))) }}
