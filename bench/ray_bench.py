@@ -210,6 +210,10 @@ def main() -> None:
         if multi:
             engines[f"in-process x{multi}"] = LLMEngine(EngineConfig.from_flat(**opts, num_scheduler_steps=multi))
         arch = engines["in-process"].loaded.config  # type: ignore[attr-defined]
+        by_batch: dict[int, dict[str, dict]] = {b: {} for b in BATCHES}
+        rtt = 0.0
+        # TP = 1 first, then each larger size in a round of its own beside the in-process engine:
+        # every shard process a size adds (and its memory) is gone before the next is timed.
         for tp in (1, *args.tp):
             try:
                 check_tp_fits(arch, tp)
@@ -219,14 +223,27 @@ def main() -> None:
             runs = [(path, 1) for path in (PATHS if tp == 1 else PATHS[:2])]
             if tp == 1 and multi:
                 runs += [(path, multi) for path in PATHS[:2]]
+            remote: dict[str, object] = {}
             for path, steps in runs:
-                engines[f"ray tp={tp} {path}" + (f" x{steps}" if steps > 1 else "")] = RayEngine(EngineConfig.from_flat(
+                remote[f"ray tp={tp} {path}" + (f" x{steps}" if steps > 1 else "")] = RayEngine(EngineConfig.from_flat(
                     **opts, tp=tp, worker_threads=max(1, args.threads // tp), worker_num_cpus=0.1,
                     compiled_graph=path == "graph", step_channels=path in ("relay", "channels"),
                     step_relay=path == "relay", num_scheduler_steps=steps,
                     graph_idle_release_s=IDLE_RELEASE_S))
-        rtt = round_trip_ms(engines["ray tp=1 graph"])
-        by_batch = {b: interleaved(engines, b, args.decode_tokens, args.repeats) for b in BATCHES}
+            engines.update(remote)
+            if tp == 1:
+                rtt = round_trip_ms(engines["ray tp=1 graph"])
+            local = {k: v for k, v in engines.items() if k.startswith("in-process")}
+            for b in BATCHES:
+                timed = interleaved({**local, **remote} if tp == 1 else {"in-process": local["in-process"], **remote},
+                                    b, args.decode_tokens, args.repeats)
+                for name, r in timed.items():
+                    if tp == 1 or not name.startswith("in-process"):  # the TP = 1 round's baselines stand
+                        by_batch[b][name] = r
+            shut_down(remote)
+            for name in list(engines):
+                if name.startswith("ray "):
+                    del engines[name]
         model_bytes = weight_bytes(engines["in-process"].loaded.model)  # type: ignore[attr-defined]
         shut_down(engines)  # the floor is timed alone
         floor = graph_floor(model_bytes, args.threads)
@@ -304,7 +321,7 @@ def main() -> None:
         f"actors' step channels (sockets, blocking reads): the driver sends the KV-block manager its request, "
         f"the KV-block manager hands the step to shard rank 0, which hands it on to the other ranks, the shards answer the driver; *channels*: the "
         f"driver calls the KV-block manager, then the target group, each over its step channel; *ray calls*: "
-        f"the same calls as Ray actor calls. TP > 1 runs the first two. *Outside the runner* is a step's wall time minus the time "
+        f"the same calls as Ray actor calls. TP > 1 runs the first two, each size in a round of its own after the TP = 1 engines are shut down (beside the in-process engine again; the table's in-process rows are from the TP = 1 round). *Outside the runner* is a step's wall time minus the time "
         f"the model runner (rank 0) reports for its own work; the Ray orchestration cost is that figure for "
         f"Ray minus the in-process one. *Waiting in Ray* is the time the driver spends in the graph's "
         f"submit-and-read (or the plain calls) beyond the runner's work. A bare Ray actor call costs "
