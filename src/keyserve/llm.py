@@ -149,20 +149,27 @@ class RayLLM(LLM):
     ) -> Iterator[RequestOutput]:
         """Every request's snapshot as soon as a step accepted tokens for it (last one finished).
         Prompts as ``generate`` takes them (one text or token-id list is one prompt); a prompt
-        refused raises with none of them left queued."""
-        if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], Integral)):
-            prompts = [prompts]  # type: ignore[list-item]
-        _check_prompts(prompts)
-        engine = self.engine
-        ids: list[str] = []
-        try:
-            for p in prompts:
-                ids.append(engine.add_request(p, sampling_params, prompt_token_ids=None if isinstance(p, str) else list(p)))
-            while engine.has_unfinished_requests():
-                yield from engine.step()
-        finally:
-            for rid in ids:
+        refused raises with none of them left queued. A stream is a call as ``generate`` is:
+        one at a time (another thread's call waits until this stream is exhausted or closed;
+        ``generate`` from inside the loop over it raises), so the snapshots are its own."""
+        with self._turn():
+            if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], Integral)):
+                prompts = [prompts]  # type: ignore[list-item]
+            _check_prompts(prompts)
+            engine = self.engine
+            for rid in self._unsettled:  # an earlier call's, left when its own clean-up was cut short
                 engine.abort(rid)
+            ids = self._unsettled = []
+            try:
+                for p in prompts:
+                    ids.append(engine.add_request(p, sampling_params,
+                                                  prompt_token_ids=None if isinstance(p, str) else list(p)))
+                while engine.has_unfinished_requests():
+                    yield from engine.step()
+            finally:
+                for rid in ids:
+                    engine.abort(rid)
+                self._unsettled = []
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -188,8 +195,9 @@ class _OneCallAtATime:
     def __call__(self) -> Iterator[None]:
         me = threading.get_ident()
         if self._owner == me:
-            raise RuntimeError("LLM.generate (or chat) was called from inside a running generate "
-                               "on the same thread (a callback); call it after that one returns")
+            raise RuntimeError("LLM.generate (or chat, or RayLLM.stream) was called from inside a running "
+                               "call on the same thread (a callback, or the loop over a stream); call it "
+                               "after that one returns")
         with self._lock:
             self._owner = me
             try:

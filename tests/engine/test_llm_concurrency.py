@@ -67,7 +67,7 @@ def test_generate_from_a_callback_inside_generate_is_refused(llm: LLM, monkeypat
             pass
 
     monkeypatch.setattr(llm_module, "tqdm", Bar)
-    with pytest.raises(RuntimeError, match="inside a running generate"):
+    with pytest.raises(RuntimeError, match="inside a running call"):
         llm.generate(["Once upon a time", "One day"], outer, use_tqdm=True)
     monkeypatch.undo()
     assert_idle(llm)

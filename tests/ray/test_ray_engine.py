@@ -173,3 +173,35 @@ def test_stream_takes_prompts_as_generate_does_and_leaves_none_behind(stories_pa
         assert by_ids.outputs[0].token_ids == want.outputs[0].token_ids
         counts = ray_llm.engine.check_consistent()
         assert counts.num_free_blocks == counts.num_blocks
+
+
+def test_a_stream_is_one_call_at_a_time(stories_path: str) -> None:
+    """``RayLLM.stream`` takes its turn as ``generate`` does: a ``generate`` from another thread
+    waits until the stream is exhausted (before, it ran its requests in the stream's steps and
+    the stream yielded their snapshots; each call then dropped the other's), and one from inside
+    the loop over the stream raises."""
+    import threading
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with RayLLM(stories_path, worker_threads=1, **OPTIONS) as ray_llm:
+        [want_a] = ray_llm.generate("once upon a time", params)
+        [want_b] = ray_llm.generate("the dog ran", params)
+        other: list = []
+        started = threading.Event()
+        seen = set()
+        for snapshot in ray_llm.stream("once upon a time", params):
+            seen.add(snapshot.prompt)
+            if not started.is_set():
+                thread = threading.Thread(target=lambda: other.extend(ray_llm.generate("the dog ran", params)))
+                thread.start()
+                started.set()
+                with pytest.raises(RuntimeError, match="inside a running call"):
+                    ray_llm.generate("lily", params)
+            last = snapshot
+        thread.join(timeout=120)
+        assert seen == {"once upon a time"}  # only the stream's own request
+        assert last.finished and last.outputs[0].token_ids == want_a.outputs[0].token_ids
+        assert [o.outputs[0].token_ids for o in other] == [want_b.outputs[0].token_ids]
+        counts = ray_llm.engine.check_consistent()
+        assert counts.num_free_blocks == counts.num_blocks
+
