@@ -151,6 +151,26 @@ def sample(
     return tokens, logprobs
 
 
+def top_logprobs(
+    logits: torch.Tensor,  # [num_rows, vocab] float32 raw model logits
+    counts: list[int],  # alternatives per row (0: none)
+) -> list[list[tuple[int, float]]]:  # per row: (token id, logprob), most likely first
+    """The most likely tokens of each row's raw model distribution with their log-probabilities
+    (``SamplingParams.top_logprobs``, as vLLM's default raw logprobs): one ``topk`` over the
+    rows that ask, one copy to the host."""
+    k = max(counts, default=0)
+    if k == 0:
+        return [[] for _ in counts]
+    rows = [i for i, c in enumerate(counts) if c]
+    picked = logits if len(rows) == len(counts) else logits[torch.tensor(rows, device=logits.device)]
+    values, ids = torch.log_softmax(picked.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    out: list[list[tuple[int, float]]] = [[] for _ in counts]
+    for j, i in enumerate(rows):
+        out[i] = list(zip(ids[j][: counts[i]], values[j][: counts[i]]))
+    return out
+
+
 def make_generator(seed: int | None, sample_index: int, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A per-sequence generator for seeded requests (None: use the global RNG), on the device
     its draws are made on."""

@@ -21,6 +21,8 @@ MAX_STOP_TOKEN_IDS = 1024
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap on completions' logprobs and chat's top_logprobs
+
 class SamplingParams(BaseModel):
     """What to sample and when to stop (OpenAI's fields plus vLLM's and keyserve's own)."""
 
@@ -47,6 +49,11 @@ class SamplingParams(BaseModel):
     )
     ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")
     logprobs: bool = Field(False, description="Return the log-probability of each chosen token.")
+    top_logprobs: int = Field(
+        0, ge=0, le=MAX_TOP_LOGPROBS,
+        description=f"Alternatives per generated token (at most {MAX_TOP_LOGPROBS}): the most likely "
+        "tokens of the model's own distribution at that position, with their log-probabilities.",
+    )
 
     # KV budgets (docs/algorithms.md §2).
     kv_policy: KVPolicyName | None = Field(

@@ -45,6 +45,8 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # per generated token, the top alternatives (token id, logprob) of SamplingParams.top_logprobs
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
@@ -123,7 +125,10 @@ class Sequence:
         """True while more than the newest token still needs computing."""
         return self.num_uncomputed_tokens > 1
 
-    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+    def append_token(self, token_id: int, logprob: float | None = None,
+                     top: list[tuple[int, float]] | None = None) -> None:
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top is not None:
+            self.output_top_logprobs.append(top)

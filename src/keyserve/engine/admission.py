@@ -18,7 +18,7 @@ from numbers import Integral
 from typing import Any, get_args
 
 from keyserve.core.kv_policy import SCORE_POOLINGS, SCORE_WINDOWS, score_mode
-from keyserve.core.sampling_params import SamplingParams
+from keyserve.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from keyserve.engine.errors import InvalidParamError
 from keyserve.types import KVPolicyName
 
@@ -74,6 +74,7 @@ def admit_params(params: Any, limits: EngineLimits) -> SamplingParams:
     for name in ("ignore_eos", "logprobs"):
         if not isinstance(getattr(p, name), bool):
             raise InvalidParamError(f"{name} must be true or false", name)
+    _int(p.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     _budget(p, limits, update)
     _speculative(p, limits)
     admitted = p.model_copy(update=update) if update else p

@@ -535,13 +535,15 @@ class LLMEngine:
         ``kept`` what it kept and whether it finished."""
         base = len(seq.output_token_ids)
         tokens = out.tokens[seq.seq_id]
+        tops = out.top_logprobs.get(seq.seq_id) if out.top_logprobs else None
         if len(tokens) == 1:  # a plain decode step
             logprob = out.logprobs.get(seq.seq_id) if out.logprobs else None
-            self._append_token(req, seq, tokens[0], logprob[0] if logprob else None, now)
+            self._append_token(req, seq, tokens[0], logprob[0] if logprob else None, now, tops[0] if tops else None)
         else:
             logprobs = out.logprobs.get(seq.seq_id)
             for j, token in enumerate(tokens):
-                self._append_token(req, seq, token, logprobs[j] if logprobs else None, now)
+                self._append_token(req, seq, token, logprobs[j] if logprobs else None, now,
+                                   tops[j] if tops else None)
                 if seq.is_finished:  # a stop condition inside an accepted run
                     tokens = seq.output_token_ids[base:]
                     break
@@ -567,8 +569,9 @@ class LLMEngine:
                 seq.num_cached_tokens = st.num_cached_tokens
                 seq.num_computed_tokens = st.num_computed_tokens
 
-    def _append_token(self, req: _Request, seq: Sequence, token: int, logprob: float | None, now: float) -> None:
-        seq.append_token(token, logprob)
+    def _append_token(self, req: _Request, seq: Sequence, token: int, logprob: float | None, now: float,
+                      top: list[tuple[int, float]] | None = None) -> None:
+        seq.append_token(token, logprob, top)
         outputs = seq.output_token_ids
         if req.first_token_time is None:
             req.first_token_time = now
@@ -603,7 +606,7 @@ class LLMEngine:
     def _snapshot(self, req: _Request, finished: bool | None = None) -> RequestOutput:
         seqs = req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=lambda s: s.sample_index)
         detoks = req.detoks
-        logprobs = req.params.logprobs
+        logprobs, tops = req.params.logprobs, req.params.top_logprobs
         outs = [
             CompletionOutput(
                 seq.sample_index,
@@ -611,6 +614,7 @@ class LLMEngine:
                 list(seq.output_token_ids),
                 seq.finish_reason.value if seq.finish_reason else None,
                 list(seq.output_logprobs) if logprobs else None,
+                list(seq.output_top_logprobs) if tops else None,
             )
             for seq in seqs
         ]

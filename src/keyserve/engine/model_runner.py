@@ -22,7 +22,7 @@ import torch
 
 from keyserve.core.block_manager import BlockCopy
 from keyserve.core.generator_marks import GeneratorMarks
-from keyserve.core.sampler import SamplingTensors, make_generator, sample
+from keyserve.core.sampler import SamplingTensors, make_generator, sample, top_logprobs
 from keyserve.core.spec_decode import verify_drafts
 from keyserve.engine.cuda_graphs import DecodeGraphs
 from keyserve.engine.kv_budget.compaction import apply_compact, apply_settle
@@ -379,6 +379,11 @@ class ModelRunner:
             out.tokens[target] = [token_list[i]]
             if lp_list is not None and params[i].logprobs:
                 out.logprobs[target] = [lp_list[i]]
+        counts = [p.top_logprobs for p in params]
+        if any(counts):
+            for target, top in zip(targets, top_logprobs(logits, counts)):
+                if top:
+                    out.top_logprobs[target] = [top]
 
     def _verify(
         self,
@@ -441,6 +446,12 @@ class ModelRunner:
             if logprobs is not None and params[row].logprobs:
                 out.logprobs[item.seq_id] = logprobs[row][: a + 1]
             out.num_accepted[item.seq_id] = a
+        if any(p.top_logprobs for p in params):  # each emitted token's row of the target
+            wanted = [p.top_logprobs if j <= a else 0 for p, a in zip(params, accepted) for j in range(width)]
+            tops = top_logprobs(target_logits.reshape(len(items) * width, -1), wanted)
+            for row, item in enumerate(items):
+                if params[row].top_logprobs:
+                    out.top_logprobs[item.seq_id] = tops[row * width : row * width + accepted[row] + 1]
 
     @staticmethod
     def _per_row(what: str, error: Exception, seq_ids: list[int], run_row: Callable[[int], None],

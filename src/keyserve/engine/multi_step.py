@@ -54,13 +54,15 @@ def decode_on(runner: ModelRunner, items: list[StepItem], out: StepOutput | None
                 continue
             if seq_id in sampled.failed:
                 out.failed[seq_id] = sampled.failed[seq_id]
-                for part in (out.tokens, out.logprobs, out.num_accepted):
+                for part in (out.tokens, out.logprobs, out.top_logprobs, out.num_accepted):
                     part.pop(seq_id, None)
                 continue
             tokens[i] = token = sampled.tokens[seq_id][0]
             out.tokens[seq_id].append(token)
             if seq_id in sampled.logprobs:
                 out.logprobs[seq_id].append(sampled.logprobs[seq_id][0])
+            if seq_id in sampled.top_logprobs:
+                out.top_logprobs[seq_id].append(sampled.top_logprobs[seq_id][0])
             out.num_accepted[seq_id] = j
 
 

@@ -33,6 +33,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     logprobs: list[float] | None = None
+    # per token, its top alternatives (token id, logprob), most likely first (top_logprobs > 0)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass

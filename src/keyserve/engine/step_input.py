@@ -156,6 +156,8 @@ class StepOutput:
 
     tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> emitted tokens
     logprobs: dict[int, list[float]] = field(default_factory=dict)  # seq_id -> their logprobs
+    # seq_id -> per emitted token, the top alternatives (token id, logprob) its params ask for
+    top_logprobs: dict[int, list[list[tuple[int, float]]]] = field(default_factory=dict)
     num_accepted: dict[int, int] = field(default_factory=dict)  # verified seq_id -> drafts kept
     logits: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> [rows, vocab] f32
     kv_stats: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (held, evicted)
