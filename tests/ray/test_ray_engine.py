@@ -39,7 +39,7 @@ def _params(i: int, budgets: bool = False, **kw) -> SamplingParams:
     policy = _policy(i) if budgets and i % 2 == 0 else None
     return SamplingParams(
         max_tokens=16 + i % 9, temperature=0.8 if sampled else 0.0, top_k=40 if i % 6 == 1 else 0,
-        seed=100 + i if sampled else None, n=2 if i % 7 == 3 else 1, logprobs=True,
+        seed=100 + i if sampled else None, n=2 if i % 7 == 3 else 1, logprobs=True, top_logprobs=3 * (i % 4 == 1),
         ignore_eos=i % 5 == 0, kv_policy=policy, kv_budget=0.5 if policy else None, **kw,
     )
 
@@ -57,6 +57,12 @@ def _same(prompts: list[str], want, got) -> None:
             assert y.token_ids == x.token_ids
             assert y.finish_reason == x.finish_reason
             torch.testing.assert_close(torch.tensor(y.logprobs), torch.tensor(x.logprobs), atol=1e-5, rtol=0)
+            assert (y.top_logprobs is None) == (x.top_logprobs is None)
+            if x.top_logprobs is not None:  # the alternatives, from the shards' rows (rank 0's gather)
+                assert [[t for t, _ in top] for top in y.top_logprobs] == [[t for t, _ in top] for top in x.top_logprobs]
+                torch.testing.assert_close(torch.tensor([[v for _, v in top] for top in y.top_logprobs]),
+                                           torch.tensor([[v for _, v in top] for top in x.top_logprobs]),
+                                           atol=1e-4, rtol=0)  # TP's all-reduce order: tails of ~-10 move ~1e-5
         assert b.stats.generated_tokens == a.stats.generated_tokens
         assert b.stats.kv_tokens_evicted == a.stats.kv_tokens_evicted
         assert b.stats.kv_tokens_held == a.stats.kv_tokens_held
