@@ -1,6 +1,7 @@
 """Every request field takes effect or is refused (a 400 naming it), never silently dropped
 (found by an oracle sweep of the OpenAI fields against the server): completions' ``logprobs``
-above 0 (alternatives, never computed: refused), ``stream_options.continuous_usage_stats``
+above 0 and chat's ``top_logprobs`` (alternatives: now computed, checked against the engine's),
+``stream_options.continuous_usage_stats``
 (usage in every chunk: now sent), and a ``kv_policy`` or ``kv_budget`` whose other half neither the
 request nor the server gives (the request ran on the full cache). One server (stories260K)."""
 
@@ -39,14 +40,59 @@ def refused(r: httpx.Response, param: str) -> None:
     assert err["param"] == param and param in err["message"], err
 
 
+def _oracle_tops(server: LiveServer, text: str, count: int, k: int = 3) -> list[list[float]]:
+    """The engine's own alternatives for a greedy run of ``text`` (checked against transformers
+    in tests/engine/test_top_logprobs.py): their logprobs per token."""
+    from keyserve import LLM
+
+    llm = getattr(server, "_oracle_llm", None) or LLM(server.serving.config.model, num_blocks=64)
+    server._oracle_llm = llm  # type: ignore[attr-defined]
+    [out] = llm.generate(text, SamplingParams(max_tokens=count, temperature=0.0, logprobs=True, top_logprobs=k))
+    return [[v for _, v in top] for top in out.outputs[0].top_logprobs]
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_completions_logprobs_alternatives_are_refused(server: LiveServer, stream: bool) -> None:
-    """``logprobs=3`` asks for 3 alternatives per token; the server computes none, so it must
-    not answer 200 with ``top_logprobs: null``. ``logprobs=0`` (the chosen tokens') works."""
-    refused(post(server, {"logprobs": 3, "stream": stream}), "logprobs")
+def test_completions_logprobs_n_returns_the_models_alternatives(server: LiveServer, stream: bool) -> None:
+    """``logprobs=3``: per token the 3 likeliest alternatives (text -> logprob) plus the chosen
+    token (up to 4 entries; greedy: the chosen one is the likeliest, so 3), the values the
+    engine computes. ``logprobs=0``: the chosen tokens' only."""
+    r = post(server, {"logprobs": 3, "temperature": 0, "max_tokens": 6, "stream": stream})
+    if stream:
+        events = _events(r)
+        tokens = [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]]
+        lps = [v for e in events for v in e["choices"][0]["logprobs"]["token_logprobs"]]
+        tops = [t for e in events for t in e["choices"][0]["logprobs"]["top_logprobs"]]
+    else:
+        assert r.status_code == 200, r.text
+        logprobs = r.json()["choices"][0]["logprobs"]
+        tokens, lps, tops = logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]
+    want = _oracle_tops(server, PROMPT, 6)
+    assert len(tops) == len(tokens) == 6
+    for token, lp, top, values in zip(tokens, lps, tops, want):
+        assert len(top) == 3 and next(iter(top)) == token and top[token] == pytest.approx(lp, abs=1e-6)
+        assert list(top.values()) == pytest.approx(values, abs=1e-5)
     ok = post(server, {"logprobs": 0, "temperature": 0})
     assert ok.status_code == 200, ok.text
     assert len(ok.json()["choices"][0]["logprobs"]["token_logprobs"]) == 4
+    assert ok.json()["choices"][0]["logprobs"]["top_logprobs"] is None
+
+
+def test_chat_top_logprobs_returns_the_models_alternatives(server: LiveServer) -> None:
+    """Chat's ``top_logprobs=3`` (with ``logprobs``): 3 alternatives per content token, each
+    with its text, logprob and bytes; without ``logprobs`` a 400 naming ``top_logprobs``."""
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5, "temperature": 0}
+    r = httpx.post(server.base_url + "/chat/completions", json={**body, "logprobs": True, "top_logprobs": 3},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5
+    for entry in content:
+        top = entry["top_logprobs"]
+        assert len(top) == 3 and top[0]["token"] == entry["token"] and top[0]["logprob"] == entry["logprob"]
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        assert all(t["bytes"] == list(t["token"].encode()) for t in top)
+    refused(httpx.post(server.base_url + "/chat/completions", json={**body, "top_logprobs": 3}, timeout=60),
+            "top_logprobs")
 
 
 def _events(r: httpx.Response) -> list[dict]:

@@ -18,13 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 from keyserve.core.sampling_params import (
     INT64_MAX,
     KVPolicyName,
+    MAX_TOP_LOGPROBS,
     SamplingParams,
     ScorePooling,
     ScoreWindow,
     TokenId,
 )
 
-MAX_LOGPROBS = 20  # completions' logprobs / chat's top_logprobs accepted (only 0 alternatives are returned)
+MAX_LOGPROBS = MAX_TOP_LOGPROBS  # completions' logprobs / chat's top_logprobs: alternatives per token
 MAX_PROMPTS = 1024  # prompts in one completions request (each is one engine request)
 
 
@@ -101,7 +102,7 @@ class _SamplingFields(_Request):
             bad.append(("stream_options", "stream_options is only allowed when stream is true"))
         return bad
 
-    def _params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
+    def _params(self, max_tokens: int, logprobs: bool, top_logprobs: int = 0) -> SamplingParams:
         fields: dict[str, Any] = dict(
             n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             seed=self.seed, stop=self.stop, top_k=self.top_k, min_p=self.min_p,
@@ -109,7 +110,7 @@ class _SamplingFields(_Request):
             kv_policy=self.kv_policy, kv_budget=self.kv_budget, recent_ratio=self.recent_ratio,
             kv_score_window=self.kv_score_window, kv_score_pooling=self.kv_score_pooling,
             speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
-            logprobs=logprobs,
+            logprobs=logprobs, top_logprobs=top_logprobs,
         )
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
 
@@ -135,8 +136,9 @@ class CompletionRequest(_SamplingFields):
         16, description="Tokens to generate at most (default 16; at most the context length)."
     )
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
-        None, description="0: return the chosen tokens' log-probabilities (alternatives, 1 and up: "
-        "not supported)."
+        None, description="Return the chosen tokens' log-probabilities and, per token, the N most "
+        "likely alternatives under the model's distribution (top_logprobs; the chosen token too, "
+        "so up to N + 1 entries). 0: the chosen tokens' only."
     )
     echo: bool = Field(False, description="Prepend the prompt to the text.")
     suffix: str | None = Field(None, description="Not supported.")
@@ -146,9 +148,6 @@ class CompletionRequest(_SamplingFields):
         bad = self._unsupported()
         if self.suffix:
             bad.append(("suffix", "suffix is not supported"))
-        if self.logprobs:  # OpenAI's logprobs=N asks for N alternatives per token: none are computed
-            bad.append(("logprobs", "logprobs above 0 is not supported (only the chosen token's "
-                        "log-probability, logprobs=0; no alternatives)"))
         if self.best_of is not None and self.best_of != self.n:
             bad.append(("best_of", "best_of other than n is not supported"))
         if self.echo and self.logprobs is not None:
@@ -157,7 +156,7 @@ class CompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, max_model_len: int) -> SamplingParams:
         limit = self.max_tokens if self.max_tokens is not None else max_model_len
-        return self._params(limit, self.logprobs is not None)
+        return self._params(limit, self.logprobs is not None, self.logprobs or 0)
 
     def max_tokens_param(self) -> str:
         return "max_tokens"
@@ -189,7 +188,8 @@ class ChatCompletionRequest(_SamplingFields):
     )
     logprobs: bool = Field(False, description="Return the chosen tokens' log-probabilities.")
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
-        None, description="Only 0 is supported."
+        None, description="With logprobs: the N most likely alternatives of each token under the "
+        "model's distribution."
     )
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported.")
     tool_choice: Any = Field(None, description="Only 'none' is supported.")
@@ -198,8 +198,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = self._unsupported()
-        if self.top_logprobs:
-            bad.append(("top_logprobs", "top_logprobs is not supported (only the chosen token's)"))
+        if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM answer
+            bad.append(("top_logprobs", "top_logprobs needs logprobs set to true"))
         if self.tools:
             bad.append(("tools", "tool calling is not supported"))
         if self.tool_choice not in (None, "none"):
@@ -210,7 +210,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, max_model_len: int) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(limit if limit is not None else max_model_len, self.logprobs)
+        return self._params(limit if limit is not None else max_model_len, self.logprobs,
+                            (self.top_logprobs or 0) if self.logprobs else 0)
 
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"

@@ -247,7 +247,8 @@ class OpenAIServing:
         if kind == "chat":
             choices = [
                 ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text),
-                           logprobs=(self._chat_logprobs(done[0].prompt_token_ids, o.token_ids, 0, o.logprobs)
+                           logprobs=(self._chat_logprobs(done[0].prompt_token_ids, o.token_ids, 0, o.logprobs,
+                                                         o.top_logprobs)
                                      if req.logprobs else None),
                            finish_reason=_finish(o.finish_reason))
                 for o in done[0].outputs
@@ -257,7 +258,8 @@ class OpenAIServing:
         for i, out in enumerate(done):
             prefix = self._echo(req, out)
             for o in out.outputs:
-                lp = (self._completion_logprobs(out.prompt_token_ids, o.token_ids, 0, o.logprobs, len(prefix))
+                lp = (self._completion_logprobs(out.prompt_token_ids, o.token_ids, 0, o.logprobs, len(prefix),
+                                                o.top_logprobs)
                       if o.logprobs is not None else None)
                 completion_choices.append(CompletionChoice(
                     index=i * n + o.index, text=prefix + o.text, logprobs=lp,
@@ -294,7 +296,8 @@ class OpenAIServing:
                     if not delta and not finish:
                         continue  # its tokens go out with the next chunk
                     t.sent(o)
-                    logprobs = (self._chat_logprobs(out.prompt_token_ids, o.token_ids, start, lps)
+                    tops = o.top_logprobs[start:] if o.top_logprobs is not None else None
+                    logprobs = (self._chat_logprobs(out.prompt_token_ids, o.token_ids, start, lps, tops)
                                 if req.logprobs and new_tokens else None)
                     yield sse(ChatCompletionChunk(
                         id=rid, created=created, model=self.model_name, **usage_field,
@@ -308,8 +311,9 @@ class OpenAIServing:
                     t.sent(o)
                     logprobs = None
                     if lps is not None and new_tokens:
+                        tops = o.top_logprobs[start:] if o.top_logprobs is not None else None
                         logprobs = self._completion_logprobs(out.prompt_token_ids, o.token_ids, start, lps,
-                                                             t.token_chars)
+                                                             t.token_chars, tops)
                         t.token_chars = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                     yield sse(CompletionResponse(
                         id=rid, created=created, model=self.model_name, **usage_field,
@@ -348,28 +352,53 @@ class OpenAIServing:
             return out.prompt
         return self.engine.tokenizer.decode(out.prompt_token_ids)
 
-    def _token_strings(self, prompt_ids: list[int], token_ids: list[int], start: int) -> list[str]:
-        """The text each token adds, decoded with a few tokens of context (so word-initial
-        spaces survive, as in the generated text: the first tokens' context is the prompt's,
-        as the detokenizer's, ``prompt_context``) and without special tokens, as the text is
-        (a special token adds nothing, so later ``text_offset``s still point into the text)."""
+    def _contexts(self, prompt_ids: list[int], token_ids: list[int], start: int) -> list[tuple[list[int], str]]:
+        """Per token from ``start``: the few tokens before it and their text, which the text a
+        token (or an alternative in its place) adds is decoded after (so word-initial spaces
+        survive, as in the generated text: the first tokens' context is the prompt's, as the
+        detokenizer's, ``prompt_context``)."""
         tok = self.engine.tokenizer
         head = prompt_context(tok, prompt_ids) if prompt_ids and start < 4 else []  # first 4 only
-        pieces = []
+        out = []
         for i in range(start, len(token_ids)):
             ctx = token_ids[max(0, i - 4):i] if i >= 4 else head + token_ids[:i]
-            before = tok.decode(ctx, skip_special_tokens=True) if ctx else ""
-            pieces.append(tok.decode(ctx + [token_ids[i]], skip_special_tokens=True)[len(before):])
-        return pieces
+            out.append((ctx, tok.decode(ctx, skip_special_tokens=True) if ctx else ""))
+        return out
+
+    def _piece(self, context: tuple[list[int], str], token: int) -> str:
+        """The text ``token`` adds after ``context``, without special tokens, as the text is (a
+        special token adds nothing, so later ``text_offset``s still point into the text)."""
+        ctx, before = context
+        return self.engine.tokenizer.decode(ctx + [token], skip_special_tokens=True)[len(before):]
+
+    def _token_strings(self, prompt_ids: list[int], token_ids: list[int], start: int) -> list[str]:
+        """The text each token from ``start`` adds (``_piece`` in its ``_contexts``)."""
+        contexts = self._contexts(prompt_ids, token_ids, start)
+        return [self._piece(c, t) for c, t in zip(contexts, token_ids[start:])]
 
     def _completion_logprobs(self, prompt_ids: list[int], token_ids: list[int], start: int,
-                             logprobs: list[float] | None, offset: int) -> CompletionLogprobs:
-        strings = self._token_strings(prompt_ids, token_ids, start)
+                             logprobs: list[float] | None, offset: int,
+                             tops: list[list[tuple[int, float]]] | None = None) -> CompletionLogprobs:
+        """``tops``: each token's alternatives from ``start`` (``CompletionOutput.top_logprobs``),
+        sent as OpenAI does: text -> logprob, the chosen token's too (up to N + 1 entries; two
+        tokens of one text keep the likelier)."""
+        contexts = self._contexts(prompt_ids, token_ids, start)
+        strings = [self._piece(c, t) for c, t in zip(contexts, token_ids[start:])]
         offsets = []
         for s in strings:
             offsets.append(offset)
             offset += len(s)
-        return CompletionLogprobs(tokens=strings, token_logprobs=list(logprobs or []), text_offset=offsets)
+        top = None
+        if tops is not None:
+            top = []
+            for context, alternatives, chosen, lp in zip(contexts, tops, strings, logprobs or []):
+                entry: dict[str, float] = {}
+                for token, value in alternatives:
+                    entry.setdefault(self._piece(context, token), value)
+                entry.setdefault(chosen, lp)
+                top.append(entry)
+        return CompletionLogprobs(tokens=strings, token_logprobs=list(logprobs or []), top_logprobs=top,
+                                  text_offset=offsets)
 
     def _token_bytes(self) -> TokenBytes:
         """The tokenizer's ``TokenBytes`` (built once: it reads the tokenizer's decoder)."""
@@ -379,12 +408,19 @@ class OpenAIServing:
         return cached
 
     def _chat_logprobs(self, prompt_ids: list[int], token_ids: list[int], start: int,
-                       logprobs: list[float] | None) -> ChatLogprobs:
+                       logprobs: list[float] | None,
+                       tops: list[list[tuple[int, float]]] | None = None) -> ChatLogprobs:
+        """``tops``: each token's alternatives from ``start``, as ``top_logprobs`` entries."""
         token_bytes = self._token_bytes()
-        entries = [
-            ChatTokenLogprob(token=s, logprob=lp, bytes=token_bytes.of(t, s))
-            for t, s, lp in zip(token_ids[start:], self._token_strings(prompt_ids, token_ids, start), logprobs or [])
-        ]
+        contexts = self._contexts(prompt_ids, token_ids, start)
+        entries = []
+        for i, (context, t, lp) in enumerate(zip(contexts, token_ids[start:], logprobs or [])):
+            s = self._piece(context, t)
+            alternatives = []
+            for token, value in (tops[i] if tops is not None else ()):
+                text = self._piece(context, token)
+                alternatives.append({"token": text, "logprob": value, "bytes": token_bytes.of(token, text)})
+            entries.append(ChatTokenLogprob(token=s, logprob=lp, bytes=token_bytes.of(t, s), top_logprobs=alternatives))
         return ChatLogprobs(content=entries)
 
 
