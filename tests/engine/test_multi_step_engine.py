@@ -136,3 +136,42 @@ def test_rounds_run_under_a_full_queue_as_in_a_batch_job(stories_path: str) -> N
     got = [o.outputs[0].token_ids for o in rounds.generate(prompts, params)]
     assert got == want
     assert rounds.engine.num_steps < 0.5 * one.engine.num_steps
+
+
+@pytest.mark.parametrize("stop", [dict(stop=[" big"]), dict(stop_token_ids=[414])])
+def test_a_round_cut_by_a_stop_holds_the_kv_of_its_kept_tokens(stories_path: str, stop: dict) -> None:
+    """A stop inside a round drops the round's later tokens: the request's kv_tokens_held counts
+    the KV of the tokens it kept, as with one step per round (not the round's dropped rows)."""
+    params = SamplingParams(max_tokens=60, temperature=0.0, logprobs=True, ignore_eos=True, **stop)
+    prompts = ["once upon a time", "lily and ben went to the park"]
+    want = LLM(stories_path, num_blocks=64).generate(prompts, params)
+    for steps in (3, 8):
+        llm = LLM(stories_path, num_blocks=64, num_scheduler_steps=steps)
+        got = llm.generate(prompts, params)
+        assert [o.outputs[0].finish_reason for o in got] == ["stop", "stop"]
+        _same(want, got)
+        assert [o.stats.kv_tokens_held for o in got] == [o.stats.kv_tokens_held for o in want]
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_a_round_never_preempts_what_one_step_would_not(stories_path: str) -> None:
+    """A full pool (9 blocks of 16): the short request's round would take the last free block
+    before its budgeted neighbour's third sample got its next slot, preempting it (recomputed,
+    its Keyformer budget chose other tokens to keep). The round waits until it fits."""
+    options = dict(num_blocks=9, block_size=16, max_model_len=48)
+    words = (" ".join(WORDS) + " ") * 4
+    params = [
+        SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, kv_policy="streaming_llm", kv_budget=0.5),
+        SamplingParams(max_tokens=8, temperature=0.0, logprobs=True),
+        SamplingParams(max_tokens=2, temperature=0.0, logprobs=True, n=3, kv_policy="keyformer", kv_budget=0.5),
+    ]
+    runs = []
+    for steps in (1, 7):
+        llm = LLM(stories_path, num_scheduler_steps=steps, **options)
+        ids = llm.tokenizer.encode(words)
+        runs.append((llm, llm.generate([ids[:44], ids[5:18], ids[9:55]], params)))
+    (one, want), (llm, got) = runs
+    _same(want, got)
+    assert [o.stats.kv_tokens_held for o in got] == [o.stats.kv_tokens_held for o in want]
+    assert llm.engine.stats().num_preemptions == one.engine.stats().num_preemptions
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

@@ -174,8 +174,8 @@ def test_adaptive_k_lives_in_the_engines_one_policy(stories_path: str, draft_dir
     reserved: list[dict[int, int]] = []
     schedule = engine.core.schedule
 
-    def spy(lookahead: dict[int, int] | None = None):  # records the real call's input and output
-        reply = schedule(lookahead)
+    def spy(lookahead: dict[int, int] | None = None, multi_step: bool = False):  # the real call's input, output
+        reply = schedule(lookahead, multi_step)
         asked.append(dict(lookahead or {}))
         reserved.append({it.seq_id: it.num_lookahead for it in reply.step.items} if reply.step else {})
         return reply

@@ -123,6 +123,8 @@ class KVCore:
         sequence gets them, and under a KV budget only once its prompt-phase selection is done.
         ``multi_step``: the lookahead is extra decode steps the model side runs itself
         (``core/multi_step.py``), not slots for drafts."""
+        if multi_step and lookahead and not self._round_fits(lookahead):
+            lookahead, multi_step = None, False  # a plain step, as with one step per round
         if lookahead is None:  # no speculation this step (the common case: no per-sequence work)
             if self._lookahead_set:
                 for seq in self.scheduler.running:
@@ -175,6 +177,24 @@ class KVCore:
                          multi_step=multi_step)
         self.num_steps += 1
         return CoreReply(step, seq_stats=stats)
+
+    def _round_fits(self, lookahead: dict[int, int]) -> bool:
+        """Whether the free blocks hold every running sequence's next token and its round's
+        extra ones (a shared last block copied, at most one block for a budgeted sequence).
+        The scheduler reserves a sequence's extra slots before it reaches the next ones: a
+        round that took the last blocks would preempt a sequence that one step would not."""
+        bm = self.block_manager
+        need = 0
+        for seq in self.scheduler.running:
+            table, slots = seq.block_table, seq.kv_slots_for(seq.num_computed_tokens)
+            if seq.kv_slot_cap is not None:
+                need += 1
+            else:
+                need += max(0, bm.blocks_for_slots(slots + 1 + lookahead.get(seq.seq_id, 0)) - len(table))
+            last = slots // bm.block_size
+            if slots % bm.block_size and last < len(table) and bm.pool.blocks[table[last]].ref_cnt > 1:
+                need += 1  # copy-on-write of the shared last block
+        return need <= bm.num_free_blocks
 
     # ---------------------------------------------------------------- commit
     def commit(self, out: StepOutput) -> CoreReply:

@@ -429,7 +429,9 @@ class LLMEngine:
                     if self.speculative is not None and item.draft_token_ids:
                         self.speculative.record(req.request_id, item.seq_id, len(item.draft_token_ids), accepted)
                     self._emit(req, self._seqs[item.seq_id], out, now, kept)
-                    kept.num_accepted[item.seq_id] = accepted
+                    # A stop cut the run: only the kept tokens' KV counts as computed (the
+                    # request's kv_tokens_held), as if its steps had run one at a time.
+                    kept.num_accepted[item.seq_id] = min(accepted, len(kept.tokens[item.seq_id]) - 1)
                 elif item.forced_token_id is not None:
                     self._emit(req, self._seqs[item.seq_id], out, now, kept)
                 else:
@@ -456,7 +458,7 @@ class LLMEngine:
         self._apply_ops(result.ops)
         if not self._core_shares_seqs:  # what the remote core just computed
             for item in items:
-                computed = item.start + item.num_new_tokens + out.num_accepted.get(item.seq_id, 0)
+                computed = item.start + item.num_new_tokens + kept.num_accepted.get(item.seq_id, 0)
                 for seq_id in [item.seq_id] + item.sample_seq_ids[1:]:
                     self._seqs[seq_id].num_computed_tokens = computed
         self._after_commit()

@@ -15,22 +15,21 @@ same forwards (same rows, same collectives).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from keyserve.engine.step_input import StepInput, StepItem, StepOutput
 
-if TYPE_CHECKING:
-    from keyserve.engine.model_runner import ModelRunner
 
-
-def decode_on(runner: ModelRunner, items: list[StepItem], out: StepOutput | None) -> None:
-    """Run ``items``' extra decode steps. ``out``: the round's answer so far, whose ``tokens``
-    hold each item's first sample (rank 0), extended here; None on the other ranks. A
-    sequence whose sampling fails in a later step fails alone (``out.failed``); its row runs on
-    with a placeholder token so that every rank keeps the same batch."""
+def decode_on(runner: Any, items: list[StepItem], out: StepOutput | None) -> None:
+    """Run ``items``' extra decode steps on ``runner``, the ``ModelRunner`` (untyped: it imports
+    this module, and tests/unit/test_import_layers.py forbids the cycle). ``out``: the round's
+    answer so far, whose ``tokens`` hold each item's first sample (rank 0), extended here; None
+    on the other ranks. A sequence whose sampling fails in a later step fails alone
+    (``out.failed``); its row runs on with a placeholder token so that every rank keeps the
+    same batch."""
     if not items:
         return
     tokens = [out.tokens[it.seq_id][0] if out is not None and it.seq_id in out.tokens else 0 for it in items]
