@@ -171,6 +171,35 @@ def round_trip_ms(engine, n: int = 200) -> float:
     return 1e3 * (time.perf_counter() - t) / n
 
 
+def plot(targets: list[list], path: Path) -> None:
+    """The TP = 1 target table as two bar charts: orchestration per decode step and throughput
+    loss against the in-process engine, per path, batch 1 and 16, with the targets' lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = list(dict.fromkeys(row[0] for row in targets))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    width = 0.38
+    for k, (batch, color) in enumerate(((1, "#4c72b0"), (16, "#dd8452"))):
+        rows = {row[0]: row for row in targets if row[1] == batch}
+        xs = [i + (k - 0.5) * width for i in range(len(paths))]
+        left.bar(xs, [rows[p][2] for p in paths], width, color=color, label=f"batch {batch}")
+        right.bar(xs, [float(str(rows[p][4]).rstrip("%")) for p in paths], width, color=color,
+                  label=f"batch {batch}")
+    left.axhline(1.0, color="black", linestyle="--", linewidth=1, label="target 1 ms")
+    right.axhline(5.0, color="#4c72b0", linestyle="--", linewidth=1, label="target, batch 1")
+    right.axhline(3.0, color="#dd8452", linestyle="--", linewidth=1, label="target, batch 16")
+    for ax, title in ((left, "Ray orchestration, ms per decode step"), (right, "throughput loss vs in-process, %")):
+        ax.set_xticks(range(len(paths)), paths, rotation=30, ha="right")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
@@ -334,6 +363,9 @@ def main() -> None:
     )
     print(body)
     if not args.no_write:
+        png = Path(__file__).resolve().parent.parent / "docs" / "bench_ray.png"
+        plot(targets, png)
+        body += f"\n\n![Ray orchestration and throughput loss per path]({png.name})"
         update_section("ray", "Ray engine: orchestration overhead and tensor parallelism", body)
 
 
