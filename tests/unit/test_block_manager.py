@@ -180,7 +180,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = self._pick(data, [s for s in self.live if s.num_uncomputed_tokens > 0])
         n = data.draw(st.integers(1, seq.num_uncomputed_tokens), label="n")
         before = self._snapshot(seq)
+        need, free = self.bm.blocks_needed(seq, n), self.bm.num_free_blocks
+        assert self._snapshot(seq) == before, "blocks_needed changed state"
         copies = self.bm.allocate_slots(seq, n)
+        assert (copies is None) == (need > free), "blocks_needed disagrees with allocate_slots"
+        if copies is not None:  # what it took: new blocks and copies (each copy frees nothing here)
+            assert free - self.bm.num_free_blocks == need
         if copies is None:
             assert self._snapshot(seq) == before, "failed allocation changed state"
             slots_after = seq.kv_slots_for(seq.num_computed_tokens + n)

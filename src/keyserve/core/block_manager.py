@@ -114,17 +114,7 @@ class BlockManager:
             raise ValueError("a cached prefix can only be attached to a sequence without blocks")
         num_cached_tokens = len(cached_prefix) * self.block_size
         computed = seq.num_computed_tokens + num_cached_tokens
-        slots_now = seq.kv_slots_for(computed)
-        spare = speculative and seq.kv_slot_cap is not None
-        slots_after = slots_now + num_new_tokens if spare else seq.kv_slots_for(computed + num_new_tokens)
-        held = len(seq.block_table) + len(cached_prefix)
-        new_blocks = max(0, self.blocks_for_slots(slots_after) - held)
-        # The first slot written lies in the current last block if that block is partly filled
-        # (or, under a KV budget, anywhere among the held blocks): copy it first if it is shared.
-        cap = seq.kv_slot_cap
-        writes_past_cap = cap is not None and (spare or computed + num_new_tokens > cap)
-        written = self._blocks_written(seq, slots_now, slots_after, writes_past_cap)
-        cow = [i for i in written if self.pool.blocks[seq.block_table[i]].ref_cnt > 1]
+        new_blocks, written, cow = self._growth(seq, num_new_tokens, len(cached_prefix), speculative)
         # Cached blocks with ref 0 sit in the free queue; acquiring them shrinks it.
         revived = sum(1 for b in cached_prefix if b.ref_cnt == 0)
         if new_blocks + len(cow) > self.pool.num_free_blocks - revived:
@@ -146,6 +136,33 @@ class BlockManager:
         for _ in range(new_blocks):
             seq.block_table.append(self.pool.allocate().block_id)
         return copies
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, speculative: bool = False) -> int:
+        """Free blocks ``allocate_slots(seq, num_new_tokens, speculative=...)`` would take now
+        (new blocks and copy-on-write copies), changing nothing: what a step can ask of the pool
+        before it is planned (``KVCore``'s multi-step rounds)."""
+        new_blocks, _, cow = self._growth(seq, num_new_tokens, 0, speculative)
+        return new_blocks + len(cow)
+
+    def _growth(
+        self, seq: Sequence, num_new_tokens: int, num_cached_blocks: int, speculative: bool
+    ) -> tuple[int, list[int], list[int]]:
+        """For ``num_new_tokens`` more computed tokens after ``num_cached_blocks`` prefix hits:
+        the blocks to append, the indices of held blocks the writes touch, and those of them to
+        copy first (shared)."""
+        computed = seq.num_computed_tokens + num_cached_blocks * self.block_size
+        slots_now = seq.kv_slots_for(computed)
+        spare = speculative and seq.kv_slot_cap is not None
+        slots_after = slots_now + num_new_tokens if spare else seq.kv_slots_for(computed + num_new_tokens)
+        held = len(seq.block_table) + num_cached_blocks
+        new_blocks = max(0, self.blocks_for_slots(slots_after) - held)
+        # The first slot written lies in the current last block if that block is partly filled
+        # (or, under a KV budget, anywhere among the held blocks): copy it first if it is shared.
+        cap = seq.kv_slot_cap
+        writes_past_cap = cap is not None and (spare or computed + num_new_tokens > cap)
+        written = self._blocks_written(seq, slots_now, slots_after, writes_past_cap)
+        cow = [i for i in written if self.pool.blocks[seq.block_table[i]].ref_cnt > 1]
+        return new_blocks, written, cow
 
     def grow_to(self, seq: Sequence, num_slots: int) -> bool:
         """Hold blocks for at least ``num_slots`` slots, appending fresh ones; all or nothing.

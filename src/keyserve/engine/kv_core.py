@@ -179,21 +179,14 @@ class KVCore:
         return CoreReply(step, seq_stats=stats)
 
     def _round_fits(self, lookahead: dict[int, int]) -> bool:
-        """Whether the free blocks hold every running sequence's next token and its round's
-        extra ones (a shared last block copied, at most one block for a budgeted sequence).
-        The scheduler reserves a sequence's extra slots before it reaches the next ones: a
-        round that took the last blocks would preempt a sequence that one step would not."""
+        """Whether the free blocks hold what every running sequence's next token and its
+        round's extra ones take (``BlockManager.blocks_needed``, the count the scheduler's
+        ``allocate_slots`` makes). The scheduler reserves a sequence's extra slots before it
+        reaches the next ones: a round that took the last blocks would preempt a sequence that
+        one step would not."""
         bm = self.block_manager
-        need = 0
-        for seq in self.scheduler.running:
-            table, slots = seq.block_table, seq.kv_slots_for(seq.num_computed_tokens)
-            if seq.kv_slot_cap is not None:
-                need += 1
-            else:
-                need += max(0, bm.blocks_for_slots(slots + 1 + lookahead.get(seq.seq_id, 0)) - len(table))
-            last = slots // bm.block_size
-            if slots % bm.block_size and last < len(table) and bm.pool.blocks[table[last]].ref_cnt > 1:
-                need += 1  # copy-on-write of the shared last block
+        need = sum(bm.blocks_needed(seq, 1 + lookahead.get(seq.seq_id, 0), speculative=seq.seq_id in lookahead)
+                   for seq in self.scheduler.running)
         return need <= bm.num_free_blocks
 
     # ---------------------------------------------------------------- commit
