@@ -199,11 +199,10 @@ class RayEngine(LLMEngine):
         assert self.group is not None and self.core_client is not None
         drafter = self.drafter_client
         speculate = drafter is not None and drafter.available
-        multi = None if speculate else self._multi_step_lookahead()
-        lookahead = self._lookahead() if speculate else multi
+        lookahead, multi_step = self._step_lookahead(speculate)
         targets = [self._seqs[seq_id] for seq_id in lookahead] if speculate and lookahead else []
         batch = drafter.graph_batch(targets) if speculate else None
-        request = self.core_client.request(lookahead, multi is not None)
+        request = self.core_client.request(lookahead, multi_step)
         flight = _Flight(batch, targets)
         try:
             flight.graph = self._graph_for(speculate)

@@ -371,11 +371,6 @@ class OpenAIServing:
         ctx, before = context
         return self.engine.tokenizer.decode(ctx + [token], skip_special_tokens=True)[len(before):]
 
-    def _token_strings(self, prompt_ids: list[int], token_ids: list[int], start: int) -> list[str]:
-        """The text each token from ``start`` adds (``_piece`` in its ``_contexts``)."""
-        contexts = self._contexts(prompt_ids, token_ids, start)
-        return [self._piece(c, t) for c, t in zip(contexts, token_ids[start:])]
-
     def _completion_logprobs(self, prompt_ids: list[int], token_ids: list[int], start: int,
                              logprobs: list[float] | None, offset: int,
                              tops: list[list[tuple[int, float]]] | None = None) -> CompletionLogprobs:

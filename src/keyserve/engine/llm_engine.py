@@ -347,8 +347,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         drafter = self.drafter
         speculate = drafter is not None and getattr(drafter, "available", True)
-        multi = None if speculate else self._multi_step_lookahead()
-        scheduled = self.core.schedule(self._lookahead() if speculate else multi, multi is not None)
+        scheduled = self.core.schedule(*self._step_lookahead(speculate))
         self._apply_seq_stats(scheduled.seq_stats)
         step = self._running_step = scheduled.step
         self.last_step_empty = step is None or step.is_empty
@@ -369,6 +368,15 @@ class LLMEngine:
         assert self.speculative is not None
         live = (s for s in self._seqs.values() if s.output_token_ids and not s.is_finished)
         return self.speculative.lookaheads(live, self.max_model_len)
+
+    def _step_lookahead(self, speculate: bool) -> tuple[dict[int, int] | None, bool]:
+        """The next step's lookahead for the KV core and whether it is a multi-step round's:
+        the drafts the speculative policy wants when the step speculates, else the round's
+        extra decode steps (``KVCore.schedule``'s two arguments)."""
+        if speculate:
+            return self._lookahead(), False
+        multi = self._multi_step_lookahead()
+        return multi, multi is not None
 
     def _multi_step_lookahead(self) -> dict[int, int] | None:
         """Extra decode steps per sequence for the next round (``core/multi_step.py``), or None
