@@ -218,7 +218,7 @@ PHASES = ("draft", "target", "verify/sample", "bookkeeping")
 class StepClock:
     """Per-step phase times of one engine, by wrapping (on the instances only) the calls a
     step makes: ``drafter.propose`` (draft: its forwards and its own bookkeeping), the target
-    runner's ``forward_logits`` (target), ``_sample`` + ``_verify`` (verify/sample); the rest
+    runner's ``forward_logits`` (target), ``sample`` + ``_verify`` (verify/sample); the rest
     of ``engine.step`` is bookkeeping (scheduling, stop checks, commit). The draft model's
     forward and LM head are timed too, for the cost ratio c."""
 
@@ -228,7 +228,7 @@ class StepClock:
         self.steps: list[dict[str, float]] = []
         runner, drafter = engine.runner, engine.drafter
         self._wrap(runner, "forward_logits", "target")
-        self._wrap(runner, "_sample", "verify/sample")
+        self._wrap(runner, "sample", "verify/sample")
         self._wrap(runner, "_verify", "verify/sample")
         self._wrap(runner, "execute", "execute", self._note_step)
         if drafter is not None:

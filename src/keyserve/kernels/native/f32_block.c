@@ -35,8 +35,10 @@ void keyserve_f32_pack(const float *w, int64_t n, int64_t k, float *packed) {
 #include <stdlib.h>
 
 /* The 32 outputs of one packed block for MR rows of xp (k floats each, ldx apart), into out
- * [MR, 32]. MR constant (4, 8 or 12: the last tile of a step takes the smallest that holds its
- * rows), so the 2 x MR accumulators stay in registers. Meanwhile `lines` cache lines from pf on
+ * [MR, 32]. MR constant (1 to 12: a tile has exactly the rows it multiplies, so the last tile of
+ * a step computes no padding -- before, 4, 8 or 12 only: a 5-row speculative step at batch 1
+ * multiplied 8, 3 of them zeros, and a 13-row step's last row as 4), so the 2 x MR accumulators
+ * stay in registers. Meanwhile `lines` cache lines from pf on
  * (a share of the next packed block) are prefetched into L2, spread evenly over the k steps:
  * the block after this one then comes from L2 instead of stalling the multiplies on DRAM. */
 #define KS_F32_TILE(MR)                                                                            \
@@ -59,15 +61,28 @@ void keyserve_f32_pack(const float *w, int64_t n, int64_t k, float *packed) {
             _mm512_storeu_ps(out + r * KS_F32_BLOCK_COLS + 16, acc[r][1]);                         \
         }                                                                                          \
     }
+KS_F32_TILE(1)
+KS_F32_TILE(2)
+KS_F32_TILE(3)
 KS_F32_TILE(4)
+KS_F32_TILE(5)
+KS_F32_TILE(6)
+KS_F32_TILE(7)
 KS_F32_TILE(8)
+KS_F32_TILE(9)
+KS_F32_TILE(10)
+KS_F32_TILE(11)
 KS_F32_TILE(12)
+
+typedef void (*ks_f32_tile_fn)(const float *, int64_t, int64_t, const float *, float *, const char *, int64_t);
+static const ks_f32_tile_fn KS_F32_TILES[KS_F32_BLOCK_ROWS + 1] = {
+    0, ks_f32_tile1, ks_f32_tile2, ks_f32_tile3, ks_f32_tile4, ks_f32_tile5, ks_f32_tile6,
+    ks_f32_tile7, ks_f32_tile8, ks_f32_tile9, ks_f32_tile10, ks_f32_tile11, ks_f32_tile12};
 
 void ks_f32_cols(const float *x, int m, int ldx, int64_t k, const float *packed, int64_t c0, int64_t c1,
                  float *y, int ldy, float *xpad) {
     const int rb = (m + KS_F32_BLOCK_ROWS - 1) / KS_F32_BLOCK_ROWS;
     for (int r = 0; r < m; r++) memcpy(xpad + (int64_t)r * k, x + (int64_t)r * ldx, sizeof(float) * (size_t)k);
-    memset(xpad + (int64_t)m * k, 0, sizeof(float) * (size_t)((rb * KS_F32_BLOCK_ROWS - m) * k));
     float tile[KS_F32_BLOCK_ROWS * KS_F32_BLOCK_COLS];
     const int64_t block_lines = k * KS_F32_BLOCK_COLS * (int64_t)sizeof(float) / 64;
     const int64_t nb1 = c1 / KS_F32_BLOCK_COLS;
@@ -81,12 +96,7 @@ void ks_f32_cols(const float *x, int m, int ldx, int64_t k, const float *packed,
             const int64_t l0 = block_lines * t / rb, l1 = block_lines * (t + 1) / rb;
             const char *pf = next ? next + l0 * 64 : 0;
             const int64_t lines = next ? l1 - l0 : 0;
-            if (rows <= 4)
-                ks_f32_tile4(xp, k, k, b, tile, pf, lines);
-            else if (rows <= 8)
-                ks_f32_tile8(xp, k, k, b, tile, pf, lines);
-            else
-                ks_f32_tile12(xp, k, k, b, tile, pf, lines);
+            KS_F32_TILES[rows](xp, k, k, b, tile, pf, lines);
             for (int r = 0; r < rows; r++)
                 memcpy(y + (int64_t)(r0 + r) * ldy + nb * KS_F32_BLOCK_COLS, tile + r * KS_F32_BLOCK_COLS,
                        sizeof(float) * KS_F32_BLOCK_COLS);
