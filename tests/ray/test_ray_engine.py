@@ -40,7 +40,8 @@ def _params(i: int, budgets: bool = False, **kw) -> SamplingParams:
     return SamplingParams(
         max_tokens=16 + i % 9, temperature=0.8 if sampled else 0.0, top_k=40 if i % 6 == 1 else 0,
         seed=100 + i if sampled else None, n=2 if i % 7 == 3 else 1, logprobs=True, top_logprobs=3 * (i % 4 == 1),
-        ignore_eos=i % 5 == 0, kv_policy=policy, kv_budget=0.5 if policy else None, **kw,
+        ignore_eos=i % 5 == 0, kv_policy=policy, kv_budget=0.5 if policy else None,
+        prompt_logprobs=(i % 3) if i % 4 == 2 else None, **kw,
     )
 
 
@@ -63,6 +64,15 @@ def _same(prompts: list[str], want, got) -> None:
                 torch.testing.assert_close(torch.tensor([[v for _, v in top] for top in y.top_logprobs]),
                                            torch.tensor([[v for _, v in top] for top in x.top_logprobs]),
                                            atol=1e-4, rtol=0)  # TP's all-reduce order: tails of ~-10 move ~1e-5
+        assert (b.prompt_logprobs is None) == (a.prompt_logprobs is None)
+        if a.prompt_logprobs is not None:  # the prompt rows' LM head, a pass at a time on every rank
+            assert len(b.prompt_logprobs) == len(a.prompt_logprobs) == len(a.prompt_token_ids)
+            torch.testing.assert_close(torch.tensor(b.prompt_logprobs[1:]), torch.tensor(a.prompt_logprobs[1:]),
+                                       atol=1e-4, rtol=0)
+            assert (b.prompt_top_logprobs is None) == (a.prompt_top_logprobs is None)
+            if a.prompt_top_logprobs is not None:
+                assert [[t for t, _ in top] for top in b.prompt_top_logprobs[1:]] == \
+                    [[t for t, _ in top] for top in a.prompt_top_logprobs[1:]]
         assert b.stats.generated_tokens == a.stats.generated_tokens
         assert b.stats.kv_tokens_evicted == a.stats.kv_tokens_evicted
         assert b.stats.kv_tokens_held == a.stats.kv_tokens_held

@@ -140,7 +140,9 @@ class CompletionRequest(_SamplingFields):
         "likely alternatives under the model's distribution (top_logprobs; the chosen token too, "
         "so up to N + 1 entries). 0: the chosen tokens' only."
     )
-    echo: bool = Field(False, description="Prepend the prompt to the text.")
+    echo: bool = Field(False, description="Prepend the prompt to the text; with logprobs, the prompt "
+                       "tokens' log-probabilities (the first token's null) and alternatives come first "
+                       "(what lm-eval's loglikelihood reads).")
     suffix: str | None = Field(None, description="Not supported.")
     best_of: _sp(int, "n") | None = Field(None, description="Only best_of == n is supported.")
 
@@ -150,13 +152,14 @@ class CompletionRequest(_SamplingFields):
             bad.append(("suffix", "suffix is not supported"))
         if self.best_of is not None and self.best_of != self.n:
             bad.append(("best_of", "best_of other than n is not supported"))
-        if self.echo and self.logprobs is not None:
-            bad.append(("echo", "echo with logprobs is not supported (no prompt log-probabilities)"))
         return bad
 
     def to_sampling_params(self, max_model_len: int) -> SamplingParams:
         limit = self.max_tokens if self.max_tokens is not None else max_model_len
-        return self._params(limit, self.logprobs is not None, self.logprobs or 0)
+        params = self._params(limit, self.logprobs is not None, self.logprobs or 0)
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens get theirs too
+            params = params.model_copy(update={"prompt_logprobs": self.logprobs})
+        return params
 
     def max_tokens_param(self) -> str:
         return "max_tokens"
@@ -232,8 +235,16 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None  # null entries: echoed first token
     text_offset: list[int] = Field(default_factory=list)
+
+    def followed_by(self, more: "CompletionLogprobs") -> "CompletionLogprobs":
+        """These entries, then ``more``'s (an echoed prompt's, then the generated tokens')."""
+        top = None
+        if self.top_logprobs is not None or more.top_logprobs is not None:
+            top = (self.top_logprobs or [None] * len(self.tokens)) + (more.top_logprobs or [None] * len(more.tokens))
+        return CompletionLogprobs(tokens=self.tokens + more.tokens, token_logprobs=self.token_logprobs + more.token_logprobs,
+                                  top_logprobs=top, text_offset=self.text_offset + more.text_offset)
 
 
 class CompletionChoice(BaseModel):

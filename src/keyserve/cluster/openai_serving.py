@@ -261,6 +261,8 @@ class OpenAIServing:
                 lp = (self._completion_logprobs(out.prompt_token_ids, o.token_ids, 0, o.logprobs, len(prefix),
                                                 o.top_logprobs)
                       if o.logprobs is not None else None)
+                if lp is not None and req.echo:
+                    lp = self._echoed_logprobs(out).followed_by(lp)
                 completion_choices.append(CompletionChoice(
                     index=i * n + o.index, text=prefix + o.text, logprobs=lp,
                     finish_reason=_finish(o.finish_reason)))
@@ -284,6 +286,8 @@ class OpenAIServing:
             for o in out.outputs:
                 index = i * req.n + o.index
                 t = trackers.setdefault(index, _Tracker(holdback))
+                if not t.started and not out.finished and _prompt_logprobs_pending(out):
+                    continue  # an echo with logprobs goes out whole: its prompt is still running
                 first = not t.started
                 t.started = True
                 delta, start, lps, finish = t.advance(o)
@@ -315,6 +319,9 @@ class OpenAIServing:
                         logprobs = self._completion_logprobs(out.prompt_token_ids, o.token_ids, start, lps,
                                                              t.token_chars, tops)
                         t.token_chars = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                    if first and req.echo and lps is not None:  # the echoed prompt's tokens: first chunk
+                        echoed = self._echoed_logprobs(out)
+                        logprobs = echoed if logprobs is None else echoed.followed_by(logprobs)
                     yield sse(CompletionResponse(
                         id=rid, created=created, model=self.model_name, **usage_field,
                         choices=[CompletionChoice(index=index, text=prefix + delta, logprobs=logprobs,
@@ -350,7 +357,9 @@ class OpenAIServing:
             return ""
         if out.prompt is not None:
             return out.prompt
-        return self.engine.tokenizer.decode(out.prompt_token_ids)
+        # token ids: their text without special tokens, as generated text is (so an echo with
+        # logprobs is spelled by its tokens' entries: a BOS adds nothing)
+        return self.engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=True)
 
     def _contexts(self, prompt_ids: list[int], token_ids: list[int], start: int) -> list[tuple[list[int], str]]:
         """Per token from ``start``: the few tokens before it and their text, which the text a
@@ -395,6 +404,30 @@ class OpenAIServing:
         return CompletionLogprobs(tokens=strings, token_logprobs=list(logprobs or []), top_logprobs=top,
                                   text_offset=offsets)
 
+    def _echoed_logprobs(self, out: RequestOutput) -> CompletionLogprobs:
+        """The echoed prompt's entries (``RequestOutput.prompt_logprobs``): each prompt token's
+        text, offset into the echo and log-probability, null for the first (it has no context),
+        as OpenAI's echo with logprobs; alternatives where the request asked for them."""
+        prompt_ids = out.prompt_token_ids
+        lps = out.prompt_logprobs or [None] * len(prompt_ids)
+        tops = out.prompt_top_logprobs
+        contexts = self._contexts([], prompt_ids, 0)  # the prompt's own tokens before each
+        strings = [self._piece(c, t) for c, t in zip(contexts, prompt_ids)]
+        offsets = [sum(len(s) for s in strings[:i]) for i in range(len(strings))]
+        top: list[dict[str, float] | None] | None = None
+        if tops is not None:
+            top = []
+            for context, alternatives, chosen, lp in zip(contexts, tops, strings, lps):
+                if alternatives is None or lp is None:
+                    top.append(None)
+                    continue
+                entry: dict[str, float] = {}
+                for token, value in alternatives:
+                    entry.setdefault(self._piece(context, token), value)
+                entry.setdefault(chosen, lp)
+                top.append(entry)
+        return CompletionLogprobs(tokens=strings, token_logprobs=list(lps), top_logprobs=top, text_offset=offsets)
+
     def _token_bytes(self) -> TokenBytes:
         """The tokenizer's ``TokenBytes`` (built once: it reads the tokenizer's decoder)."""
         cached = getattr(self, "_token_bytes_cache", None)
@@ -417,6 +450,12 @@ class OpenAIServing:
                 alternatives.append({"token": text, "logprob": value, "bytes": token_bytes.of(token, text)})
             entries.append(ChatTokenLogprob(token=s, logprob=lp, bytes=token_bytes.of(t, s), top_logprobs=alternatives))
         return ChatLogprobs(content=entries)
+
+
+def _prompt_logprobs_pending(out: RequestOutput) -> bool:
+    """Whether the request asked for prompt log-probabilities and its prompt's chunks have not
+    all run yet (a snapshot after an early chunk)."""
+    return out.prompt_logprobs is not None and len(out.prompt_logprobs) < len(out.prompt_token_ids)
 
 
 def _usage(outputs: list[RequestOutput]) -> Usage:

@@ -74,7 +74,7 @@ class BlockManager:
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
         """The longest run of leading full blocks already cached, never the whole sequence
         (at least one token must be computed to produce logits)."""
-        if not self.pool.enable_prefix_caching or seq.block_table or not seq.prefix_cacheable:
+        if not self.pool.enable_prefix_caching or seq.block_table or not seq.reuses_prefixes:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []

@@ -54,6 +54,12 @@ class SamplingParams(BaseModel):
         description=f"Alternatives per generated token (at most {MAX_TOP_LOGPROBS}): the most likely "
         "tokens of the model's own distribution at that position, with their log-probabilities.",
     )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS,
+        description="The log-probability of every prompt token after the first (vLLM's prompt_logprobs: "
+        "what scoring and lm-eval's loglikelihood read), with this many alternatives each (0: none). "
+        "Such a request reuses no cached prefix: every prompt row is computed.",
+    )
 
     # KV budgets (docs/algorithms.md §2).
     kv_policy: KVPolicyName | None = Field(

@@ -113,6 +113,13 @@ class Sequence:
         return not self.kv_budgeted and self.kv_slot_cap is None
 
     @property
+    def reuses_prefixes(self) -> bool:
+        """Whether admission may attach cached or stored KV of its prompt's head. Not for a
+        sequence that asks for prompt log-probabilities: they come from the prompt rows'
+        logits, which a reused prefix never computes (vLLM skips the cache alike)."""
+        return self.prefix_cacheable and self.params.prompt_logprobs is None
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 

@@ -75,6 +75,8 @@ def admit_params(params: Any, limits: EngineLimits) -> SamplingParams:
         if not isinstance(getattr(p, name), bool):
             raise InvalidParamError(f"{name} must be true or false", name)
     _int(p.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if p.prompt_logprobs is not None:
+        _int(p.prompt_logprobs, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
     _budget(p, limits, update)
     _speculative(p, limits)
     admitted = p.model_copy(update=update) if update else p

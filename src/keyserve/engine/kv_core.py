@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from keyserve.core.block_manager import BlockManager
+from keyserve.core.prompt_logprobs import prompt_logprob_rows
 from keyserve.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, StepPlan
 from keyserve.core.sequence import FinishReason, Sequence, SequenceStatus
 from keyserve.engine.kv_budget.compaction import plan_prompt_compaction, settle_op
@@ -163,6 +164,8 @@ class KVCore:
                 item = _item(scheduled)
             if multi_step and scheduled.num_lookahead:
                 item.decode_rows = True  # its first token is a decode row, as are the next ones
+            if seq.params.prompt_logprobs is not None and seq.sample_index == 0:
+                _ask_prompt_logprobs(item, seq)
             items.append(item)
             flight.bases[seq_id] = len(outputs)  # siblings: none (not in bases)
             if seq_id not in known:
@@ -321,6 +324,17 @@ class KVCore:
         held = len(refs)
         if bm.num_free_blocks != bm.num_blocks - held:
             raise AssertionError(f"{bm.num_free_blocks} free blocks, expected {bm.num_blocks - held}")
+
+
+def _ask_prompt_logprobs(item: StepItem, seq: Sequence) -> None:
+    """Mark the rows of a prompt chunk whose log-probabilities the request asked for (again
+    after a preemption: the engine keeps the first)."""
+    prompt = seq.prompt_token_ids
+    rows = prompt_logprob_rows(len(prompt), item.start, item.num_new_tokens)
+    if rows:
+        item.prompt_logprob_rows = rows
+        end = item.start + item.num_new_tokens
+        item.next_prompt_token = prompt[end] if end < len(prompt) else -1
 
 
 def _item(scheduled: ScheduledSeq, **fields: object) -> StepItem:

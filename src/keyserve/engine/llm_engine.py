@@ -21,6 +21,7 @@ import torch
 from keyserve.config import EngineConfig
 from keyserve.core.multi_step import multi_step_lookahead
 from keyserve.core.prompt_context import prompt_context
+from keyserve.core.prompt_logprobs import merge_prompt_logprobs
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import FinishReason, Sequence, SequenceStatus
 from keyserve.engine.admission import EngineLimits, admit_params, check_token_ids
@@ -86,6 +87,10 @@ class _Request:
     # Teacher forcing (evaluation): emit these tokens instead of sampling, keeping the model's
     # log-probability of each, so perplexity can be measured under any KV policy.
     forced_token_ids: list[int] | None = None
+    # SamplingParams.prompt_logprobs: per prompt position so far (position 0: None), filled as
+    # its chunks run (core/prompt_logprobs.py), and each position's top alternatives.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def all_seqs(self) -> list[Sequence]:
@@ -229,6 +234,8 @@ class LLMEngine:
             pending_forks=seqs[1:],
             forced_token_ids=list(forced_token_ids) if forced_token_ids is not None else None,
         )
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs, req.prompt_top_logprobs = [None], [None]
         context = prompt_context(self.tokenizer, req.prompt_token_ids)  # once for all the samples
         for seq in seqs:  # everything that can raise, before anything is registered
             req.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop, context)
@@ -419,6 +426,11 @@ class LLMEngine:
         owner = self._seq_owner
         touched = {req.request_id: req for req in [owner[item.seq_id] for item in step.items]}
         failed = self._failed_on_model_side(out.failed) if out.failed else {}
+        for seq_id, (first, values, tops) in out.prompt_logprobs.items():
+            req = owner[seq_id]
+            if req.prompt_logprobs is not None and req.request_id not in failed:
+                merge_prompt_logprobs(req.prompt_logprobs, first, values)
+                merge_prompt_logprobs(req.prompt_top_logprobs, first, tops)  # type: ignore[arg-type]
         items = step.items if not failed else [
             it for it in step.items if self._seq_owner[it.seq_id].request_id not in failed
         ]
@@ -634,7 +646,12 @@ class LLMEngine:
         stats = self._stats(req) if finished else RequestStats(
             len(req.prompt_token_ids), sum(len(o.token_ids) for o in outs)
         )
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, stats)
+        result = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, stats)
+        if req.prompt_logprobs is not None:
+            result.prompt_logprobs = list(req.prompt_logprobs)
+            if req.params.prompt_logprobs:
+                result.prompt_top_logprobs = list(req.prompt_top_logprobs)  # type: ignore[arg-type]
+        return result
 
     def _stats(self, req: _Request) -> RequestStats:
         generated = sum(len(s.output_token_ids) for s in req.seqs)

@@ -31,6 +31,7 @@ from keyserve.engine.kv_budget.replicas import sum_over_replicas
 from keyserve.engine.kv_budget.slots import AttentionRows, ScoreRows, SlotPlanner
 from keyserve.engine.kv_budget.tracker import KVBudgetTracker
 from keyserve.engine.multi_step import decode_on
+from keyserve.engine.prompt_logprobs import prompt_logprobs, prompt_rows
 from keyserve.engine.step_input import (
     CompactOp,
     ForkOp,
@@ -250,12 +251,22 @@ class ModelRunner:
             logits = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # [n, vocab]
             if logits is not None:
                 return logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=logits.device)), None
-        index = torch.tensor(rows, dtype=torch.int64, device=inputs.input_ids.device) if rows else None
+        logits, scores, _ = self.forward_rows(inputs, rows, [])
+        return logits, scores
+
+    def forward_rows(
+        self, inputs: ModelInputs, rows: list[int], hidden_rows: list[int]
+    ) -> tuple[torch.Tensor | None, list | None, torch.Tensor | None]:
+        """``forward_logits`` without CUDA graphs, also returning the final hidden states of
+        ``hidden_rows`` ([len(hidden_rows), hidden_size], None if none): the rows of prompt
+        log-probabilities, too many for their logits at once (``engine/prompt_logprobs.py``)."""
+        asked = rows + hidden_rows
+        index = torch.tensor(asked, dtype=torch.int64, device=inputs.input_ids.device) if asked else None
         # only the asked rows leave the last layer (its K/V are still written for every token)
         hidden, scores = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, index)
-        if index is None:
-            return None, scores
-        return self.logits_fn(hidden), scores
+        extra = hidden[len(rows) :] if hidden_rows else None
+        logits = self.logits_fn(hidden[: len(rows)]) if rows else None
+        return logits, scores, extra
 
     @torch.inference_mode()
     def execute(
@@ -306,7 +317,16 @@ class ModelRunner:
             raw.append((item, len(rows), count))
             end = last[item.seq_id]
             rows.extend(range(end - count + 1, end + 1))
-        all_logits, scores = self.forward_logits(inputs, rows)  # Keyformer's noise: meta.noise_keys
+        asking = prompt_rows(items, last)  # prompt log-probabilities (rare: a scoring request)
+        if asking:
+            extra = [first + i for item, first in asking for i in range(item.prompt_logprob_rows)]
+            all_logits, scores, hidden = self.forward_rows(inputs, rows, extra)  # Keyformer's noise: meta.noise_keys
+            out.prompt_logprobs = prompt_logprobs(
+                self.logits_fn, hidden, [it for it, _ in asking],  # type: ignore[arg-type]
+                [self.seq_infos[it.seq_id].params.prompt_logprobs or 0 for it, _ in asking],
+            )
+        else:
+            all_logits, scores = self.forward_logits(inputs, rows)  # Keyformer's noise: meta.noise_keys
         scores = sum_over_replicas(scores, self.model.tp, self.model.config.num_key_value_heads)
         scores = pool_over_layer(scores, inputs.score_rows, self.model.tp, self.model.config.num_key_value_heads)
         self.budget.accumulate_step(inputs.score_rows, scores, failed)

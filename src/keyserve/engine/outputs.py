@@ -50,6 +50,11 @@ class RequestOutput:
     # Set on the last output of a request that failed inside a step (it alone was aborted:
     # finish_reason "abort"); the streaming layers raise it to the request's consumer.
     error: Exception | None = None
+    # SamplingParams.prompt_logprobs: per prompt token, its log-probability under the model
+    # given the tokens before it (None for the first), complete once the prompt is computed;
+    # and with prompt_logprobs > 0 its top alternatives (token id, logprob), most likely first.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     # The first sample's fields, for the common n == 1 case.
     @property
@@ -74,4 +79,6 @@ class RequestOutput:
             "outputs": [asdict(o) for o in self.outputs],
             "stats": self.stats.to_dict(),
             "error": None if self.error is None else str(self.error),
+            "prompt_logprobs": self.prompt_logprobs,
+            "prompt_top_logprobs": self.prompt_top_logprobs,
         }

@@ -225,7 +225,7 @@ class EnginePrefixStore:
         """Attach the longest stored prefix beyond the pool's own hit ``cached``; returns the
         pool blocks the scheduler should still attach (none once a load took them)."""
         self._loaded.discard(seq.seq_id)
-        if seq.block_table or seq.num_computed_tokens:
+        if seq.block_table or seq.num_computed_tokens or seq.params.prompt_logprobs is not None:
             return cached
         bs = self.block_size
         start = len(cached) * bs

@@ -52,6 +52,11 @@ class StepItem:
     # Pack each query token as a decode row (no budget only): a short continuation, e.g. the
     # draft's catch-up of the last draft and the bonus token, stays on the decode path.
     decode_rows: bool = False
+    # Prompt log-probabilities (SamplingParams.prompt_logprobs): this many leading rows predict
+    # a prompt token (core/prompt_logprobs.py); the last such row, at the chunk's end, predicts
+    # next_prompt_token, the prompt token after the chunk.
+    prompt_logprob_rows: int = 0
+    next_prompt_token: int = -1
 
     def __reduce__(self) -> tuple:
         """Pickled as the constructor's arguments: half the bytes and half the unpickling time
@@ -159,6 +164,8 @@ class StepOutput:
     # seq_id -> per emitted token, the top alternatives (token id, logprob) its params ask for
     top_logprobs: dict[int, list[list[tuple[int, float]]]] = field(default_factory=dict)
     num_accepted: dict[int, int] = field(default_factory=dict)  # verified seq_id -> drafts kept
+    # seq_id -> (first position, logprob of each prompt token from there, its top alternatives)
+    prompt_logprobs: dict[int, tuple[int, list[float], list[list[tuple[int, float]]]]] = field(default_factory=dict)
     logits: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> [rows, vocab] f32
     kv_stats: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (held, evicted)
     execute_s: float = 0.0  # time the runner spent on the step (what orchestration adds to)

@@ -1,0 +1,66 @@
+"""The model side of prompt log-probabilities: the prompt rows' logits, a slice at a time.
+
+A prompt chunk can be the whole step's token budget (2,048 rows): its logits at once would be
+[2048, 49152] float32, 400 MB. The rows' final hidden states leave the model instead
+(``ModelRunner.forward_logits``'s ``extra_rows``) and go through the LM head ``ROWS_PER_PASS``
+at a time; each pass keeps only the target token's log-probability and the top alternatives.
+Every tensor-parallel rank runs the same passes: the vocab-parallel head gathers onto rank 0
+in each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from keyserve.core.prompt_logprobs import prompt_logprob_targets
+from keyserve.engine.step_input import StepItem
+
+ROWS_PER_PASS = 256  # [256, vocab] float32 logits at a time: 50 MB for a 49k vocabulary
+
+
+def prompt_rows(items: list[StepItem], last_row: dict[int, int]) -> list[tuple[StepItem, int]]:
+    """The items that ask, each with the step row of its chunk's first token."""
+    return [(it, last_row[it.seq_id] - it.num_query_tokens + 1) for it in items if it.prompt_logprob_rows]
+
+
+def prompt_logprobs(
+    logits_fn: Callable[[torch.Tensor], torch.Tensor | None],
+    hidden: torch.Tensor,  # [sum of the items' prompt_logprob_rows, hidden_size], in item order
+    items: list[StepItem],  # those that ask (prompt_rows), the order of ``hidden``
+    top_counts: list[int],  # alternatives per item (SamplingParams.prompt_logprobs)
+) -> dict[int, tuple[int, list[float], list[list[tuple[int, float]]]]]:
+    """seq_id -> (first position, each row's target log-probability, its top alternatives);
+    empty on a shard that is not the driver (it took part in every gather)."""
+    targets: list[int] = []
+    counts: list[int] = []
+    for item, n in zip(items, top_counts, strict=True):
+        targets += prompt_logprob_targets(item.token_ids, item.prompt_logprob_rows, item.next_prompt_token)
+        counts += [n] * item.prompt_logprob_rows
+    values: list[float] = []
+    tops: list[list[tuple[int, float]]] = []
+    for a in range(0, hidden.shape[0], ROWS_PER_PASS):
+        logits = logits_fn(hidden[a : a + ROWS_PER_PASS])  # [rows, vocab] on the driver
+        if logits is None:
+            continue
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        want = torch.tensor(targets[a : a + ROWS_PER_PASS], dtype=torch.int64, device=logp.device)
+        values += logp.gather(1, want[:, None]).squeeze(1).tolist()
+        k = max(counts[a : a + ROWS_PER_PASS])
+        if k:
+            top_v, top_i = logp.topk(min(k, logp.shape[-1]), dim=-1)
+            for j, (v, i) in enumerate(zip(top_v.tolist(), top_i.tolist())):
+                c = counts[a + j]
+                tops.append(list(zip(i[:c], v[:c])))
+        else:
+            tops += [[] for _ in range(logp.shape[0])]
+    if not values:
+        return {}
+    out = {}
+    row = 0
+    for item in items:
+        n = item.prompt_logprob_rows
+        out[item.seq_id] = (item.start + 1, values[row : row + n], tops[row : row + n])
+        row += n
+    return out

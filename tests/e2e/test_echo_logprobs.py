@@ -1,0 +1,88 @@
+"""Completions' ``echo`` with ``logprobs``: the prompt's tokens come first in ``logprobs`` --
+text, offset, log-probability (null for the first token, which has no context) and
+alternatives -- then the generated ones, as OpenAI's API gives them and lm-eval's
+``local-completions`` loglikelihood reads them (token ids as the prompt, ``max_tokens=1``,
+``echo``, ``logprobs=1``, the continuation's entries from ``ctxlen`` on). Through the real
+``openai`` client against a live server (stories260K); the oracle is transformers' log-softmax
+over the prompt on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from live_server import LiveServer, live_server
+
+CONTEXT = "Once upon a time there was a little dog named Max."
+CONTINUATION = " Max liked to run in the park with his friends."
+
+
+@pytest.fixture(scope="module")
+def server(stories_path: str) -> LiveServer:
+    with live_server(model=stories_path, num_blocks=256, seed=0, max_num_batched_tokens=16) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(stories_path: str):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]) -> torch.Tensor:  # [len(ids), vocab]: row i predicts token i + 1
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return logprobs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_lm_eval_loglikelihood_request(server: LiveServer, hf_logprobs, stream: bool) -> None:
+    tok = server.engine.tokenizer
+    ctx = tok.encode(CONTEXT)
+    ids = ctx + tok.encode(CONTINUATION, add_special_tokens=False)
+    client = server.client()
+    kw = dict(model=server.serving.model_name, prompt=[ids], max_tokens=1, echo=True, logprobs=1, temperature=0)
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kw))
+        lp_parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        tokens = [t for p in lp_parts for t in p.tokens]
+        values = [v for p in lp_parts for v in p.token_logprobs]
+        tops = [t for p in lp_parts for t in p.top_logprobs]
+        offsets = [o for p in lp_parts for o in p.text_offset]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+    else:
+        choice = client.completions.create(**kw).choices[0]
+        tokens, values = choice.logprobs.tokens, choice.logprobs.token_logprobs
+        tops, offsets, text = choice.logprobs.top_logprobs, choice.logprobs.text_offset, choice.text
+    assert len(tokens) == len(values) == len(tops) == len(offsets) == len(ids) + 1
+    assert values[0] is None and tops[0] is None
+    want = hf_logprobs(ids)
+    oracle = want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    torch.testing.assert_close(torch.tensor(values[1 : len(ids)]), oracle, atol=1e-4, rtol=0)
+    # what lm-eval computes: the continuation's summed logprob and whether it is greedy
+    ctxlen = len(ctx)
+    continuation = values[ctxlen:-1]
+    assert sum(continuation) == pytest.approx(float(oracle[ctxlen - 1 :].sum()), abs=1e-3)
+    greedy = [max(top.values()) == v for top, v in zip(tops[ctxlen:-1], continuation)]
+    assert greedy == (want[ctxlen - 1 : -1].argmax(-1) == torch.tensor(ids[ctxlen:])).tolist()
+    # the echoed prompt's pieces spell the echo, their offsets point into the text
+    assert text.startswith("".join(tokens[: len(ids)]))
+    assert offsets == sorted(offsets) and all(text[o : o + len(t)] == t for o, t in zip(offsets, tokens))
+
+
+def test_text_prompt_with_alternatives(server: LiveServer, hf_logprobs) -> None:
+    """A text prompt, ``logprobs=3``, two samples: each choice carries the prompt's entries
+    (alternatives included) before its own tokens'."""
+    client = server.client()
+    out = client.completions.create(model=server.serving.model_name, prompt=CONTEXT, max_tokens=3, echo=True,
+                                    logprobs=3, n=2, temperature=0.9, seed=1)
+    ids = server.engine.tokenizer.encode(CONTEXT)
+    want = hf_logprobs(ids)
+    for choice in out.choices:
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for pos in range(1, len(ids)):
+            top = lp.top_logprobs[pos]
+            assert 3 <= len(top) <= 4 and top[lp.tokens[pos]] == pytest.approx(lp.token_logprobs[pos], abs=1e-6)
+            assert sorted(top.values(), reverse=True)[:3] == pytest.approx(
+                want[pos - 1].topk(3).values.tolist(), abs=1e-4)
+        assert choice.text.startswith(CONTEXT)
