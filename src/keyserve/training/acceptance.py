@@ -7,6 +7,12 @@ position of that text (one teacher-forced pass) gives the exact accept/reject se
 which tokens per target forward follow for any K. At temperature T the per-token acceptance
 probability is ``sum_x min(p_T(x), q_T(x))``, read at the same positions.
 
+Also measured, for the lever after a better draft: how often the target's token is among the
+draft's top k (``top_k_agreement``), and the tokens per target forward of greedy speculation
+over a *tree* of drafts (``simulate_tree``: after each accepted node, the draft's top w tokens
+as children) -- what verifying several candidates per position in one target pass would give
+this draft. The engine verifies chains only.
+
     python -m keyserve.training.acceptance --draft drafts/SmolLM2-135M-Instruct-draft
 """
 
@@ -46,6 +52,10 @@ class AcceptanceReport:
     greedy_acceptance: float  # P(draft argmax == target argmax) on the target's greedy text
     tokens_per_target_forward: dict[int, float]  # K -> mean tokens per verification at T = 0
     sampled_acceptance: dict[float, float]  # T -> mean sum_x min(p_T, q_T) on the same text
+    top_k_agreement: dict[int, float]  # k -> P(target's greedy token among the draft's top k)
+    # tree shape "w1xw2x..." (children per node at each depth) -> (target rows per verification
+    # besides the last accepted token's: the tree's nodes, tokens per target forward)
+    tree_tokens_per_target_forward: dict[str, tuple[int, float]]
 
 
 def simulate_greedy(agree: list[bool], k: int) -> float:
@@ -59,6 +69,35 @@ def simulate_greedy(agree: list[bool], k: int) -> float:
         pos += accepted + 1  # the accepted drafts plus the target's own token
         forwards += 1
     return n / max(forwards, 1)
+
+
+TREES = ((2,), (3,), (2, 1), (3, 1), (2, 2), (3, 2), (3, 2, 1), (4, 2, 1))
+
+
+def simulate_tree(ranks: list[int], widths: tuple[int, ...]) -> float:
+    """Tokens per target forward of greedy speculation verifying a full tree of drafts: at
+    depth d every node has the draft's ``widths[d]`` likeliest next tokens as children. Given
+    the rank of the target's token in the draft's distribution at each position of the
+    target's text (the draft conditioned on the target's own prefix -- the tree's accepted path),
+    depth d is accepted while that rank is below ``widths[d]``. ``widths = (1,) * k`` is a chain
+    of k drafts (``simulate_greedy``)."""
+    pos, forwards, n = 0, 0, len(ranks)
+    while pos < n:
+        depth = 0
+        while depth < len(widths) and pos + depth < n and ranks[pos + depth] < widths[depth]:
+            depth += 1
+        pos += depth + 1
+        forwards += 1
+    return n / max(forwards, 1)
+
+
+def tree_nodes(widths: tuple[int, ...]) -> int:
+    """Draft tokens a full tree of these widths holds: the target rows it adds to a step."""
+    total, level = 0, 1
+    for w in widths:
+        level *= w
+        total += level
+    return total
 
 
 def _chat_ids(target: LoadedModel, text: str) -> list[int]:
@@ -92,6 +131,7 @@ def measure(
     answers: list[Answer] = []
     generate_answers(DenseLlama.from_serving(target.model), job, float("inf"), answers.extend)
     agree_all: list[list[bool]] = []
+    ranks_all: list[list[int]] = []
     overlaps: dict[float, list[float]] = {t: [] for t in temperatures}
     for a in sorted(answers, key=lambda a: a.prompt_index):
         seq = a.prompt + a.tokens
@@ -99,6 +139,8 @@ def measure(
         d_logits = teacher_forced_logits(draft.model, seq)[rows]
         t_logits = teacher_forced_logits(target.model, seq)[rows]
         agree_all.append((d_logits.argmax(-1) == torch.tensor(a.tokens)).tolist())
+        chosen = d_logits.gather(1, torch.tensor(a.tokens)[:, None])  # [n, 1]
+        ranks_all.append((d_logits > chosen).sum(-1).tolist())  # 0: the draft's argmax
         for t in temperatures:
             overlaps[t].append(_overlap(d_logits, t_logits, t) * len(a.tokens))
     positions = sum(len(a) for a in agree_all)
@@ -110,6 +152,11 @@ def measure(
             k: sum(simulate_greedy(a, k) * len(a) for a in agree_all) / max(positions, 1) for k in ks
         },
         sampled_acceptance={t: sum(v) / max(positions, 1) for t, v in overlaps.items()},
+        top_k_agreement={k: sum(r < k for rs in ranks_all for r in rs) / max(positions, 1) for k in (1, 2, 3, 4, 8)},
+        tree_tokens_per_target_forward={
+            "x".join(map(str, w)): (tree_nodes(w), sum(simulate_tree(r, w) * len(r) for r in ranks_all) / max(positions, 1))
+            for w in TREES
+        },
     )
 
 
