@@ -2,7 +2,8 @@
 text, offset, log-probability (null for the first token, which has no context) and
 alternatives -- then the generated ones, as OpenAI's API gives them and lm-eval's
 ``local-completions`` loglikelihood reads them (token ids as the prompt, ``max_tokens=1``,
-``echo``, ``logprobs=1``, the continuation's entries from ``ctxlen`` on). Through the real
+``echo``, ``logprobs=1``, the continuation's entries from ``ctxlen`` on); and vLLM's
+``prompt_logprobs`` field (token id -> logprob, rank, decoded text). Through the real
 ``openai`` client against a live server (stories260K); the oracle is transformers' log-softmax
 over the prompt on the same weights."""
 
@@ -19,7 +20,10 @@ CONTINUATION = " Max liked to run in the park with his friends."
 @pytest.fixture(scope="module")
 def server(stories_path: str) -> LiveServer:
     with live_server(model=stories_path, num_blocks=256, seed=0, max_num_batched_tokens=16) as live:
+        tok = live.engine.tokenizer
+        tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"  # stories260K has none
         yield live
+        tok.chat_template = None
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +90,57 @@ def test_text_prompt_with_alternatives(server: LiveServer, hf_logprobs) -> None:
             assert sorted(top.values(), reverse=True)[:3] == pytest.approx(
                 want[pos - 1].topk(3).values.tolist(), abs=1e-4)
         assert choice.text.startswith(CONTEXT)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_vllm_prompt_logprobs_field(server: LiveServer, hf_logprobs, endpoint: str) -> None:
+    """vLLM's ``prompt_logprobs`` (through the client's ``extra_body``): per prompt token after
+    the first, token id -> {logprob, rank, decoded_token} for the token and its N likeliest
+    alternatives (ranks 1..N); on each choice for completions, on the response for chat. With
+    stream it is a 400 naming the field, as in vLLM."""
+    client = server.client()
+    model = server.serving.model_name
+    if endpoint == "completions":
+        raw = client.completions.with_raw_response.create(model=model, prompt=CONTEXT, max_tokens=2, temperature=0,
+                                                          extra_body={"prompt_logprobs": 2})
+        body = raw.http_response.json()
+        entries = body["choices"][0]["prompt_logprobs"]
+        ids = server.engine.tokenizer.encode(CONTEXT)
+    else:
+        messages = [{"role": "user", "content": "Tell me a story."}]
+        raw = client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=2,
+                                                               temperature=0, extra_body={"prompt_logprobs": 2})
+        body = raw.http_response.json()
+        entries = body["prompt_logprobs"]
+        encoded = server.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        assert body["usage"]["prompt_tokens"] == len(ids)
+    want = hf_logprobs(ids)
+    assert len(entries) == len(ids) and entries[0] is None
+    for pos in range(1, len(ids)):
+        entry, row = entries[pos], want[pos - 1]
+        own = entry[str(ids[pos])]
+        assert own["logprob"] == pytest.approx(float(row[ids[pos]]), abs=1e-4)
+        value = row[ids[pos]]  # its rank, up to tokens within 1e-4 of it (float rounding decides those)
+        assert int((row > value + 1e-4).sum()) + 1 <= own["rank"] <= int((row > value - 1e-4).sum()) + 1
+        alternatives = sorted((e for t, e in entry.items() if e["rank"] <= 2), key=lambda e: e["rank"])
+        assert [e["rank"] for e in alternatives] == [1, 2]
+        assert [e["logprob"] for e in alternatives] == pytest.approx(row.topk(2).values.tolist(), abs=1e-4)
+        assert len(entry) in (2, 3) and all(isinstance(e["decoded_token"], str) for e in entry.values())
+    import httpx
+    r = httpx.post(server.base_url + "/completions", json={"model": model, "prompt": CONTEXT, "stream": True,
+                                                           "prompt_logprobs": 1}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_echo_and_prompt_logprobs_each_keep_their_own_count(server: LiveServer) -> None:
+    """``echo`` with ``logprobs=1`` beside ``prompt_logprobs=3``: the engine computes 3
+    alternatives once; the echoed entries show 1 (plus the token's own), vLLM's field 3."""
+    client = server.client()
+    raw = client.completions.with_raw_response.create(
+        model=server.serving.model_name, prompt=CONTEXT, max_tokens=1, echo=True, logprobs=1, temperature=0,
+        extra_body={"prompt_logprobs": 3})
+    choice = raw.http_response.json()["choices"][0]
+    echoed = choice["logprobs"]["top_logprobs"][1 : -1]
+    assert echoed and all(1 <= len(top) <= 2 for top in echoed)
+    assert all(3 <= len(entry) <= 4 for entry in choice["prompt_logprobs"][1:])

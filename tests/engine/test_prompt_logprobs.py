@@ -47,6 +47,12 @@ def _check(hf, out, top_n: int = N) -> None:
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids)
     assert out.prompt_logprobs[0] is None
     torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), want, atol=1e-4, rtol=0)
+    ranks = (logp[:-1] > want[:, None]).sum(-1) + 1  # 1: the model's likeliest token
+    got_ranks = torch.tensor(out.prompt_logprob_ranks[1:])
+    others = (logp[:-1] - want[:, None]).abs()
+    others[torch.arange(len(want)), torch.tensor(ids[1:])] = float("inf")
+    clear = others.min(-1).values > 1e-4  # no other token within 1e-4 of it: its rank is sure
+    assert out.prompt_logprob_ranks[0] is None and (got_ranks[clear] == ranks[clear]).all()
     if not top_n:
         assert out.prompt_top_logprobs is None
         return

@@ -67,6 +67,7 @@ def _same(prompts: list[str], want, got) -> None:
         assert (b.prompt_logprobs is None) == (a.prompt_logprobs is None)
         if a.prompt_logprobs is not None:  # the prompt rows' LM head, a pass at a time on every rank
             assert len(b.prompt_logprobs) == len(a.prompt_logprobs) == len(a.prompt_token_ids)
+            assert len(b.prompt_logprob_ranks) == len(a.prompt_token_ids)  # ranks: ties may order apart at TP 2
             torch.testing.assert_close(torch.tensor(b.prompt_logprobs[1:]), torch.tensor(a.prompt_logprobs[1:]),
                                        atol=1e-4, rtol=0)
             assert (b.prompt_top_logprobs is None) == (a.prompt_top_logprobs is None)

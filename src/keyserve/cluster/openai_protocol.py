@@ -89,6 +89,11 @@ class _SamplingFields(_Request):
     num_speculative_tokens: _sp(int, "num_speculative_tokens") | None = Field(
         None, description="Draft tokens per step (K)."
     )
+    prompt_logprobs: _sp(int, "prompt_logprobs") | None = Field(
+        None, description="vLLM's: every prompt token's log-probability, rank and text, with this many "
+        "alternatives (null for the first token), as `prompt_logprobs` on each choice (completions) or on "
+        "the response (chat). Not with stream. Such a request reuses no cached prefix."
+    )
 
     def _unsupported(self) -> list[tuple[str, str]]:
         bad = []
@@ -100,6 +105,8 @@ class _SamplingFields(_Request):
             bad.append(("logit_bias", "logit_bias is not supported"))
         if self.stream_options is not None and not self.stream:
             bad.append(("stream_options", "stream_options is only allowed when stream is true"))
+        if self.prompt_logprobs is not None and self.stream:
+            bad.append(("prompt_logprobs", "prompt_logprobs is not supported with stream (as in vLLM)"))
         return bad
 
     def _params(self, max_tokens: int, logprobs: bool, top_logprobs: int = 0) -> SamplingParams:
@@ -110,7 +117,7 @@ class _SamplingFields(_Request):
             kv_policy=self.kv_policy, kv_budget=self.kv_budget, recent_ratio=self.recent_ratio,
             kv_score_window=self.kv_score_window, kv_score_pooling=self.kv_score_pooling,
             speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
-            logprobs=logprobs, top_logprobs=top_logprobs,
+            logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=self.prompt_logprobs,
         )
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
 
@@ -158,7 +165,7 @@ class CompletionRequest(_SamplingFields):
         limit = self.max_tokens if self.max_tokens is not None else max_model_len
         params = self._params(limit, self.logprobs is not None, self.logprobs or 0)
         if self.echo and self.logprobs is not None:  # the echoed prompt's tokens get theirs too
-            params = params.model_copy(update={"prompt_logprobs": self.logprobs})
+            params = params.model_copy(update={"prompt_logprobs": max(self.logprobs, self.prompt_logprobs or 0)})
         return params
 
     def max_tokens_param(self) -> str:
@@ -247,11 +254,24 @@ class CompletionLogprobs(BaseModel):
                                   top_logprobs=top, text_offset=self.text_offset + more.text_offset)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob`` in a ``prompt_logprobs`` entry."""
+
+    logprob: float
+    rank: int | None = None  # 1: the model's likeliest token at that position
+    decoded_token: str | None = None
+
+
+# per prompt token: null for the first, else token id -> its entry (the token's own and the alternatives')
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, when asked for
 
 
 class CompletionResponse(BaseModel):
@@ -293,6 +313,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, when asked for
 
 
 class DeltaMessage(BaseModel):

@@ -10,6 +10,7 @@ length, vocabulary, seats) are checked here, before anything reaches the engine 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import time
@@ -36,6 +37,8 @@ from keyserve.cluster.openai_protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
+    PromptLogprobs,
     DeltaMessage,
     ModelCard,
     ModelList,
@@ -253,7 +256,8 @@ class OpenAIServing:
                            finish_reason=_finish(o.finish_reason))
                 for o in done[0].outputs
             ]
-            return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage).model_dump()
+            return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage,
+                                          prompt_logprobs=self._prompt_logprobs(req, done[0])).model_dump()
         completion_choices = []
         for i, out in enumerate(done):
             prefix = self._echo(req, out)
@@ -262,10 +266,10 @@ class OpenAIServing:
                                                 o.top_logprobs)
                       if o.logprobs is not None else None)
                 if lp is not None and req.echo:
-                    lp = self._echoed_logprobs(out).followed_by(lp)
+                    lp = self._echoed_logprobs(req, out).followed_by(lp)
                 completion_choices.append(CompletionChoice(
                     index=i * n + o.index, text=prefix + o.text, logprobs=lp,
-                    finish_reason=_finish(o.finish_reason)))
+                    finish_reason=_finish(o.finish_reason), prompt_logprobs=self._prompt_logprobs(req, out)))
         return CompletionResponse(id=rid, model=self.model_name, choices=completion_choices, usage=usage).model_dump()
 
     # ------------------------------------------------------------- streaming
@@ -320,7 +324,7 @@ class OpenAIServing:
                                                              t.token_chars, tops)
                         t.token_chars = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                     if first and req.echo and lps is not None:  # the echoed prompt's tokens: first chunk
-                        echoed = self._echoed_logprobs(out)
+                        echoed = self._echoed_logprobs(req, out)
                         logprobs = echoed if logprobs is None else echoed.followed_by(logprobs)
                     yield sse(CompletionResponse(
                         id=rid, created=created, model=self.model_name, **usage_field,
@@ -404,16 +408,38 @@ class OpenAIServing:
         return CompletionLogprobs(tokens=strings, token_logprobs=list(logprobs or []), top_logprobs=top,
                                   text_offset=offsets)
 
-    def _echoed_logprobs(self, out: RequestOutput) -> CompletionLogprobs:
+    def _prompt_logprobs(self, req: Any, out: RequestOutput) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs`` (when the request asked): per prompt token after the first,
+        token id -> {logprob, rank, decoded_token} for the token itself and its N likeliest
+        alternatives (ranks 1..N), each decoded in the tokens before it."""
+        count = getattr(req, "prompt_logprobs", None)
+        if count is None or out.prompt_logprobs is None:
+            return None
+        ids = out.prompt_token_ids
+        contexts = self._contexts([], ids, 0)
+        tops = out.prompt_top_logprobs or [None] * len(ids)
+        ranks = out.prompt_logprob_ranks or [None] * len(ids)
+        entries: PromptLogprobs = []
+        for token, context, lp, rank, top in zip(ids, contexts, out.prompt_logprobs, ranks, tops):
+            if lp is None:
+                entries.append(None)
+                continue
+            entry = {str(t): PromptLogprob(logprob=v, rank=r, decoded_token=self._piece(context, t))
+                     for r, (t, v) in enumerate((top or [])[:count], 1)}
+            entry.setdefault(str(token), PromptLogprob(logprob=lp, rank=rank, decoded_token=self._piece(context, token)))
+            entries.append(entry)
+        return entries
+
+    def _echoed_logprobs(self, req: Any, out: RequestOutput) -> CompletionLogprobs:
         """The echoed prompt's entries (``RequestOutput.prompt_logprobs``): each prompt token's
         text, offset into the echo and log-probability, null for the first (it has no context),
-        as OpenAI's echo with logprobs; alternatives where the request asked for them."""
+        as OpenAI's echo with logprobs; the ``logprobs`` N alternatives where N > 0."""
         prompt_ids = out.prompt_token_ids
         lps = out.prompt_logprobs or [None] * len(prompt_ids)
-        tops = out.prompt_top_logprobs
+        tops = out.prompt_top_logprobs if req.logprobs else None
         contexts = self._contexts([], prompt_ids, 0)  # the prompt's own tokens before each
         strings = [self._piece(c, t) for c, t in zip(contexts, prompt_ids)]
-        offsets = [sum(len(s) for s in strings[:i]) for i in range(len(strings))]
+        offsets = [0, *itertools.accumulate(len(s) for s in strings)][: len(strings)]
         top: list[dict[str, float] | None] | None = None
         if tops is not None:
             top = []
@@ -422,7 +448,7 @@ class OpenAIServing:
                     top.append(None)
                     continue
                 entry: dict[str, float] = {}
-                for token, value in alternatives:
+                for token, value in alternatives[: req.logprobs]:
                     entry.setdefault(self._piece(context, token), value)
                 entry.setdefault(chosen, lp)
                 top.append(entry)

@@ -91,6 +91,7 @@ class _Request:
     # its chunks run (core/prompt_logprobs.py), and each position's top alternatives.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
 
     @property
     def all_seqs(self) -> list[Sequence]:
@@ -235,7 +236,7 @@ class LLMEngine:
             forced_token_ids=list(forced_token_ids) if forced_token_ids is not None else None,
         )
         if params.prompt_logprobs is not None:
-            req.prompt_logprobs, req.prompt_top_logprobs = [None], [None]
+            req.prompt_logprobs, req.prompt_top_logprobs, req.prompt_logprob_ranks = [None], [None], [None]
         context = prompt_context(self.tokenizer, req.prompt_token_ids)  # once for all the samples
         for seq in seqs:  # everything that can raise, before anything is registered
             req.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop, context)
@@ -426,11 +427,12 @@ class LLMEngine:
         owner = self._seq_owner
         touched = {req.request_id: req for req in [owner[item.seq_id] for item in step.items]}
         failed = self._failed_on_model_side(out.failed) if out.failed else {}
-        for seq_id, (first, values, tops) in out.prompt_logprobs.items():
+        for seq_id, (first, values, tops, ranks) in out.prompt_logprobs.items():
             req = owner[seq_id]
             if req.prompt_logprobs is not None and req.request_id not in failed:
                 merge_prompt_logprobs(req.prompt_logprobs, first, values)
                 merge_prompt_logprobs(req.prompt_top_logprobs, first, tops)  # type: ignore[arg-type]
+                merge_prompt_logprobs(req.prompt_logprob_ranks, first, ranks)  # type: ignore[arg-type]
         items = step.items if not failed else [
             it for it in step.items if self._seq_owner[it.seq_id].request_id not in failed
         ]
@@ -649,6 +651,7 @@ class LLMEngine:
         result = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, stats)
         if req.prompt_logprobs is not None:
             result.prompt_logprobs = list(req.prompt_logprobs)
+            result.prompt_logprob_ranks = list(req.prompt_logprob_ranks)  # type: ignore[arg-type]
             if req.params.prompt_logprobs:
                 result.prompt_top_logprobs = list(req.prompt_top_logprobs)  # type: ignore[arg-type]
         return result

@@ -55,6 +55,7 @@ class RequestOutput:
     # and with prompt_logprobs > 0 its top alternatives (token id, logprob), most likely first.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank (1: likeliest)
 
     # The first sample's fields, for the common n == 1 case.
     @property
@@ -81,4 +82,5 @@ class RequestOutput:
             "error": None if self.error is None else str(self.error),
             "prompt_logprobs": self.prompt_logprobs,
             "prompt_top_logprobs": self.prompt_top_logprobs,
+            "prompt_logprob_ranks": self.prompt_logprob_ranks,
         }

@@ -164,8 +164,10 @@ class StepOutput:
     # seq_id -> per emitted token, the top alternatives (token id, logprob) its params ask for
     top_logprobs: dict[int, list[list[tuple[int, float]]]] = field(default_factory=dict)
     num_accepted: dict[int, int] = field(default_factory=dict)  # verified seq_id -> drafts kept
-    # seq_id -> (first position, logprob of each prompt token from there, its top alternatives)
-    prompt_logprobs: dict[int, tuple[int, list[float], list[list[tuple[int, float]]]]] = field(default_factory=dict)
+    # seq_id -> (first position, logprob of each prompt token from there, its top alternatives,
+    # its rank in the model's distribution)
+    prompt_logprobs: dict[int, tuple[int, list[float], list[list[tuple[int, float]]], list[int]]] = field(
+        default_factory=dict)
     logits: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> [rows, vocab] f32
     kv_stats: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (held, evicted)
     execute_s: float = 0.0  # time the runner spent on the step (what orchestration adds to)
