@@ -1,72 +1,25 @@
 """The bench-only venv that runs NVIDIA's kvpress (it pins transformers < 5.3, our own venv has
-a newer one), built once and cached under ``~/.cache/keyserve/peers/kvpress-<key>/venv``.
-
-torch is pinned first to the CPU wheel that lies on disk, so pip never pulls a CUDA build; then
-kvpress with its own transformers; then what the worker needs to read our model (safetensors)
-and the GGUF it is converted from (gguf). The key hashes the pins and the Python version: a
-change builds a new venv beside the old one.
+a newer one), built once and cached under ``~/.cache/keyserve/peers/kvpress-<key>/venv``
+(``bench_venv.py``): kvpress with its own transformers, then what the worker needs to read our
+model (safetensors) and the GGUF it is converted from (gguf).
 
     python -m bench.peers.kvpress_env      # build (or find) the venv, print where it is
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-TORCH_PIN = "torch==2.13.0"  # the CPU wheel on disk; installed before anything else
+from bench.peers import bench_venv
+from bench.peers.bench_venv import clean_env  # noqa: F401  (kvpress_anchor's import)
+
 KVPRESS_PIN = "kvpress==0.5.5"
-EXTRA = ("safetensors", "gguf", "sentencepiece")
-NICE = ["nice", "-n", "19"]
-
-
-def build_key() -> str:
-    what = {"torch": TORCH_PIN, "kvpress": KVPRESS_PIN, "extra": list(EXTRA),
-            "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def cache_root() -> Path:
-    base = Path(os.environ.get("KEYSERVE_CACHE", Path.home() / ".cache" / "keyserve"))
-    return base / "peers" / f"kvpress-{build_key()}"
-
-
-def clean_env() -> dict[str, str]:
-    """Environment for a process of the bench venv (nothing of ours leaks in)."""
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    env.pop("VIRTUAL_ENV", None)
-    return env
+PACKAGES = (KVPRESS_PIN, "safetensors", "gguf", "sentencepiece")
 
 
 def ensure_venv(root: Path | None = None) -> Path:
     """Create the venv if its stamp is missing; return its python."""
-    root = root or cache_root()
-    python = root / "venv" / "bin" / "python"
-    stamp = root / ".done-venv"
-    if stamp.exists():
-        return python
-    root.mkdir(parents=True, exist_ok=True)
-    log = root / "build.log"
-    t = time.perf_counter()
-    print(f"kvpress venv: building under {root} (log {log}) …", file=sys.stderr, flush=True)
-    pip = NICE + [str(python), "-m", "pip", "install", "-q"]
-    for cmd in ([sys.executable, "-m", "venv", str(root / "venv")],
-                pip + [TORCH_PIN],  # first, so nothing below can pull a CUDA torch
-                pip + [TORCH_PIN, KVPRESS_PIN, *EXTRA]):
-        with open(log, "a") as f:
-            f.write(f"\n$ {' '.join(cmd)}\n")
-            f.flush()
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=clean_env()).returncode
-        if rc:
-            raise RuntimeError(f"{cmd[0]} failed (exit {rc}); see {log}")
-    stamp.write_text(f"{time.perf_counter() - t:.0f}\n")
-    return python
+    return bench_venv.ensure_venv("kvpress", PACKAGES, root)
 
 
 if __name__ == "__main__":
