@@ -69,6 +69,28 @@ def test_n_steps_per_round_emit_what_one_step_per_round_emits(stories_path: str,
     assert llm.engine.num_steps < one_llm.engine.num_steps  # fewer rounds for the same tokens
 
 
+def test_with_a_draft_loaded_the_steps_nobody_drafts_in_run_as_rounds(stories_path: str, draft_dir: str, single) -> None:
+    """A draft loaded, the 24 requests with ``speculative=False``: the steps run as the rounds an
+    engine without a draft runs (before, no round ran once a draft was loaded), emitting what one
+    step per round emits; the draft never proposes. Then half of them speculating: a step in
+    which any sequence drafts is a verification, the others rounds -- the target's tokens
+    either way."""
+    one_llm, want = single
+    prompts = _prompts(24)
+    llm = LLM(stories_path, num_scheduler_steps=4, draft=draft_dir, num_speculative_tokens=3, **OPTIONS)
+    got = llm.generate(prompts, [_params(i).model_copy(update={"speculative": False}) for i in range(24)])
+    _same(want, got)
+    assert llm.engine.num_steps < one_llm.engine.num_steps  # rounds ran
+    assert llm.engine.speculative.stats.num_draft_tokens == 0
+    greedy = [i for i in range(24) if _params(i).temperature == 0.0]
+    mixed = [_params(i).model_copy(update={"speculative": i % 4 < 2}) for i in greedy]
+    llm2 = LLM(stories_path, num_scheduler_steps=4, draft=draft_dir, num_speculative_tokens=3, **OPTIONS)
+    got2 = llm2.generate([prompts[i] for i in greedy], mixed)
+    for i, out in zip(greedy, got2, strict=True):
+        assert [o.token_ids for o in out.outputs] == [o.token_ids for o in want[i].outputs]
+    assert llm2.engine.speculative.stats.num_draft_tokens > 0
+
+
 def test_a_lone_request_runs_in_rounds_of_n_tokens(stories_path: str) -> None:
     """40 tokens at 4 per round: the prompt's round (its first token), then 39 more in 10
     rounds of at most 4 -- each round's tokens arrive together."""

@@ -38,6 +38,31 @@ def test_rounds_equal_the_in_process_engine_with_single_steps(stories_path: str,
     _same(prompts, want, got)
 
 
+def test_with_the_draft_actor_the_steps_nobody_drafts_in_run_as_rounds(stories_path: str, draft_dir: str) -> None:
+    """The draft actor loaded: steps in which no sequence drafts are rounds on the shards (the
+    draft actor is not asked to draft for a round's lookahead), steps with drafts verify; the
+    in-process engine with the same draft, one step per round, is the oracle."""
+    prompts = _prompts(16, seed=6)
+    quiet = [_params(i, speculative=False) for i in range(16)]
+    mixed = [_params(i, speculative=i % 3 == 0) for i in range(16)]
+    opts = dict(OPTIONS, draft=draft_dir, num_speculative_tokens=2)
+    local = LLM(stories_path, **opts)
+    want_quiet = local.generate(prompts, quiet)
+    single_steps = local.engine.num_steps
+    want_mixed = local.generate(prompts, mixed)
+    with RayLLM(stories_path, num_scheduler_steps=4, worker_threads=1, worker_num_cpus=0.1, **opts) as ray_llm:
+        engine = ray_llm.engine
+        got_quiet = ray_llm.generate(prompts, quiet)
+        assert engine.num_steps < single_steps  # rounds ran
+        assert engine.speculative.stats.num_draft_tokens == 0
+        got_mixed = ray_llm.generate(prompts, mixed)
+        assert engine.speculative.stats.num_draft_tokens > 0
+        view = engine.check_consistent()
+        assert view.num_free_blocks == view.num_blocks
+    _same(prompts, want_quiet, got_quiet)
+    _same(prompts, want_mixed, got_mixed)
+
+
 @pytest.fixture(scope="module")
 def rounds_engine(stories_path: str):
     llm = RayLLM(stories_path, num_scheduler_steps=4, tensor_parallel_size=2, worker_threads=1,

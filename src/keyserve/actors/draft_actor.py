@@ -145,7 +145,8 @@ class DraftActor:
         self._release(batch.released)
         if batch.incarnation not in (None, self.incarnation):
             return step, None, self._nothing(resync=True)
-        verify = [it for it in step.items if it.num_lookahead] if step is not None else []
+        # a multi-step round's lookahead is the shards' own extra steps, not slots for drafts
+        verify = [it for it in step.items if it.num_lookahead] if step is not None and not step.multi_step else []
         try:
             targets = {t.seq_id: t for t in self._sync(batch)}
             if not verify:

@@ -364,7 +364,7 @@ class LLMEngine:
         if step.is_empty:  # nothing to compute, only ops for the model side (remote cores)
             self.runner.execute(step)
             return []
-        draft_probs = self._propose(step) if speculate else None
+        draft_probs = self._propose(step) if speculate and not step.multi_step else None
         out = self.runner.execute(step, draft_probs)
         self.num_steps += 1
         return self._accept(step, out)
@@ -380,9 +380,13 @@ class LLMEngine:
     def _step_lookahead(self, speculate: bool) -> tuple[dict[int, int] | None, bool]:
         """The next step's lookahead for the KV core and whether it is a multi-step round's:
         the drafts the speculative policy wants when the step speculates, else the round's
-        extra decode steps (``KVCore.schedule``'s two arguments)."""
+        extra decode steps (``KVCore.schedule``'s two arguments). With a draft loaded but no
+        sequence drafting (``speculative=False`` requests, or adaptive K's plain decoding at
+        this batch size) the step is the round an engine without a draft would run."""
         if speculate:
-            return self._lookahead(), False
+            drafts = self._lookahead()
+            if drafts:
+                return drafts, False
         multi = self._multi_step_lookahead()
         return multi, multi is not None
 

@@ -2,7 +2,7 @@
 
 A prompt chunk can be the whole step's token budget (2,048 rows): its logits at once would be
 [2048, 49152] float32, 400 MB. The rows' final hidden states leave the model instead
-(``ModelRunner.forward_logits``'s ``extra_rows``) and go through the LM head ``ROWS_PER_PASS``
+(``ModelRunner.forward_rows``'s ``hidden_rows``) and go through the LM head ``ROWS_PER_PASS``
 at a time; each pass keeps only the target token's log-probability, its rank in the row's
 distribution (1: the likeliest, as vLLM's ``Logprob.rank``) and the top alternatives.
 Every tensor-parallel rank runs the same passes: the vocab-parallel head gathers onto rank 0
