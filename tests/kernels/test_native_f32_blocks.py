@@ -12,7 +12,7 @@ from keyserve.kernels.native import f32_blocks
 pytestmark = pytest.mark.skipif(not f32_blocks.available(), reason="no AVX-512 register tiles in this build")
 
 
-@pytest.mark.parametrize("rows", [*range(1, 14), 25, 64])  # every tile height, then whole tiles plus a rest
+@pytest.mark.parametrize("rows", [*range(1, 14), 16, 25, 40, 64])  # every tile height, then balanced splits
 @pytest.mark.parametrize("threads", [1, 2])
 def test_equals_f_linear(rows: int, threads: int) -> None:
     torch.manual_seed(rows)

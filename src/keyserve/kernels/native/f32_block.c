@@ -90,8 +90,10 @@ void ks_f32_cols(const float *x, int m, int ldx, int64_t k, const float *packed,
         const float *b = packed + nb * k * KS_F32_BLOCK_COLS;
         /* the next block, a share per row tile (none after the last block) */
         const char *next = nb + 1 < nb1 ? (const char *)(b + k * KS_F32_BLOCK_COLS) : 0;
-        for (int r0 = 0, t = 0; r0 < m; r0 += KS_F32_BLOCK_ROWS, t++) {
-            const int rows = m - r0 < KS_F32_BLOCK_ROWS ? m - r0 : KS_F32_BLOCK_ROWS;
+        /* rb tiles of balanced heights (16 rows: 8 + 8, not 12 + 4: a short tile does few FMAs
+         * per weight load) */
+        for (int r0 = 0, t = 0; r0 < m; t++) {
+            const int rows = (m - r0) / (rb - t) + ((m - r0) % (rb - t) != 0);
             const float *xp = xpad + (int64_t)r0 * k;
             const int64_t l0 = block_lines * t / rb, l1 = block_lines * (t + 1) / rb;
             const char *pf = next ? next + l0 * 64 : 0;
@@ -100,6 +102,7 @@ void ks_f32_cols(const float *x, int m, int ldx, int64_t k, const float *packed,
             for (int r = 0; r < rows; r++)
                 memcpy(y + (int64_t)(r0 + r) * ldy + nb * KS_F32_BLOCK_COLS, tile + r * KS_F32_BLOCK_COLS,
                        sizeof(float) * KS_F32_BLOCK_COLS);
+            r0 += rows;
         }
     }
 }
