@@ -37,11 +37,11 @@ from keyserve.cluster.openai_protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    PromptLogprob,
-    PromptLogprobs,
     DeltaMessage,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     Usage,
 )
@@ -261,15 +261,18 @@ class OpenAIServing:
         completion_choices = []
         for i, out in enumerate(done):
             prefix = self._echo(req, out)
+            # the prompt's entries, once for all its samples
+            echoed = self._echoed_logprobs(req, out) if req.echo and req.logprobs is not None else None
+            prompt_lp = self._prompt_logprobs(req, out)
             for o in out.outputs:
                 lp = (self._completion_logprobs(out.prompt_token_ids, o.token_ids, 0, o.logprobs, len(prefix),
                                                 o.top_logprobs)
                       if o.logprobs is not None else None)
-                if lp is not None and req.echo:
-                    lp = self._echoed_logprobs(req, out).followed_by(lp)
+                if lp is not None and echoed is not None:
+                    lp = echoed.followed_by(lp)
                 completion_choices.append(CompletionChoice(
                     index=i * n + o.index, text=prefix + o.text, logprobs=lp,
-                    finish_reason=_finish(o.finish_reason), prompt_logprobs=self._prompt_logprobs(req, out)))
+                    finish_reason=_finish(o.finish_reason), prompt_logprobs=prompt_lp))
         return CompletionResponse(id=rid, model=self.model_name, choices=completion_choices, usage=usage).model_dump()
 
     # ------------------------------------------------------------- streaming
