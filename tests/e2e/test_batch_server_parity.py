@@ -41,6 +41,9 @@ def test_batch_bodies_fail_as_on_the_server(stories_path: str, tmp_path: Path) -
         lines.append('{"custom_id": "%s", "method": "POST", "url": "%s", "body": %s}' % (cid, url, body))
     lines.append(json.dumps({"custom_id": "ok", "method": "POST", "url": "/v1/completions",
                              "body": {"prompt": "Once", "max_tokens": 2, "temperature": 0}}))
+    lines.append(json.dumps({"custom_id": "echo", "method": "POST", "url": "/v1/completions",  # lm-eval's scoring
+                             "body": {"prompt": "Once upon a time", "max_tokens": 1, "temperature": 0, "echo": True,
+                                      "logprobs": 1}}))
     src.write_text("\n".join(lines) + "\n")
     config = ServeConfig(model=stories_path, max_num_seqs=2, max_queued_requests=4)
     serving = OpenAIServing.from_config(config, in_process=True)
@@ -54,8 +57,11 @@ def test_batch_bodies_fail_as_on_the_server(stories_path: str, tmp_path: Path) -
     finally:
         serving.engine.shutdown()
     recs = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert summary.succeeded == 1 and summary.failed == len(BODIES)
+    assert summary.succeeded == 2 and summary.failed == len(BODIES)
     assert recs["ok"]["response"]["status_code"] == 200
+    scored = recs["echo"]["response"]["body"]["choices"][0]["logprobs"]
+    assert scored["token_logprobs"][0] is None and all(v < 0 for v in scored["token_logprobs"][1:])
+    assert len(scored["tokens"]) == recs["echo"]["response"]["body"]["usage"]["prompt_tokens"] + 1
     for cid, body in BODIES.items():
         assert recs[cid]["error"] is None, cid
         assert recs[cid]["response"]["status_code"] == 400, cid
