@@ -34,6 +34,17 @@ def stories_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def stories_hf(stories_path: str):
+    """The oracle: Hugging Face transformers on stories260K's weights (float32, eager
+    attention), loaded once per session; tests only run forwards on it."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        stories_path, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def draft_dir(stories_path: str, tmp_path_factory) -> str:
     """A real draft on disk: stories260K with its layers perturbed, so it disagrees with the
     target now and then (speculative tests need both accepts and rejects)."""

@@ -27,9 +27,8 @@ def server(stories_path: str) -> LiveServer:
 
 
 @pytest.fixture(scope="module")
-def hf_logprobs(stories_path: str):
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
+def hf_logprobs(stories_hf):
+    hf = stories_hf
 
     def logprobs(ids: list[int]) -> torch.Tensor:  # [len(ids), vocab]: row i predicts token i + 1
         with torch.no_grad():

@@ -28,10 +28,8 @@ N = 3
 
 
 @pytest.fixture(scope="module")
-def hf(stories_path: str):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        stories_path, attn_implementation="eager", dtype=torch.float32).eval()
+def hf(stories_hf):
+    return stories_hf
 
 
 def _prompts(count: int, seed: int, lo: int = 8, hi: int = 60) -> list[str]:

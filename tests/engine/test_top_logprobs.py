@@ -17,10 +17,8 @@ K = 5
 
 
 @pytest.fixture(scope="module")
-def hf(stories_path: str):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        stories_path, attn_implementation="eager", dtype=torch.float32).eval()
+def hf(stories_hf):
+    return stories_hf
 
 
 def _oracle(hf, prompt_ids: list[int], output_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
