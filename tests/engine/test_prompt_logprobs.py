@@ -92,12 +92,18 @@ def test_prompt_logprobs_equal_the_models(stories_path: str, draft_dir: str, hf,
 
 
 def test_no_alternatives_with_zero_and_nothing_without_asking(stories_path: str, hf) -> None:
+    """In one step: 0 alternatives, none asked, and 1 and 4 beside each other (each row trims
+    the step's one top-k to its own count)."""
     llm = LLM(stories_path, num_blocks=128)
-    [zero, plain] = llm.generate(["the dog ran to the park and", "the dog ran to the park and"], [
+    [zero, plain, one, four] = llm.generate(["the dog ran to the park and"] * 2 + ["lily and ben", "once upon a time"], [
         SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=0),
         SamplingParams(max_tokens=4, temperature=0.0),
+        SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1),
+        SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=4),
     ])
     _check(hf, zero, top_n=0)
+    _check(hf, one, top_n=1)
+    _check(hf, four, top_n=4)
     assert plain.prompt_logprobs is None and plain.prompt_top_logprobs is None
     assert zero.token_ids == plain.token_ids
 

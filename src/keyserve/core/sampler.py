@@ -158,17 +158,28 @@ def top_logprobs(
     """The most likely tokens of each row's raw model distribution with their log-probabilities
     (``SamplingParams.top_logprobs``, as vLLM's default raw logprobs): one ``topk`` over the
     rows that ask, one copy to the host."""
-    k = max(counts, default=0)
-    if k == 0:
+    if max(counts, default=0) == 0:
         return [[] for _ in counts]
     rows = [i for i, c in enumerate(counts) if c]
     picked = logits if len(rows) == len(counts) else logits[torch.tensor(rows, device=logits.device)]
-    values, ids = torch.log_softmax(picked.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
-    values, ids = values.tolist(), ids.tolist()
+    tops = top_entries(torch.log_softmax(picked.float(), dim=-1), [counts[i] for i in rows])
     out: list[list[tuple[int, float]]] = [[] for _ in counts]
     for j, i in enumerate(rows):
-        out[i] = list(zip(ids[j][: counts[i]], values[j][: counts[i]]))
+        out[i] = tops[j]
     return out
+
+
+def top_entries(
+    logp: torch.Tensor,  # [num_rows, vocab] log-probabilities
+    counts: list[int],  # entries per row (0: none)
+) -> list[list[tuple[int, float]]]:  # per row: (token id, logprob), most likely first
+    """Each row's ``counts[row]`` likeliest tokens: one ``topk`` at the widest count, one copy to
+    the host (``top_logprobs``, and the prompt rows' alternatives, engine/prompt_logprobs.py)."""
+    k = max(counts, default=0)
+    if k == 0:
+        return [[] for _ in counts]
+    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return [list(zip(i[:c], v[:c])) for i, v, c in zip(ids.tolist(), values.tolist(), counts, strict=True)]
 
 
 def make_generator(seed: int | None, sample_index: int, device: torch.device | str = "cpu") -> torch.Generator | None:

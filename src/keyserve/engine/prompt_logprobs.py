@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from keyserve.core.prompt_logprobs import prompt_logprob_targets
+from keyserve.core.sampler import top_entries
 from keyserve.engine.step_input import StepItem
 
 ROWS_PER_PASS = 256  # [256, vocab] float32 logits at a time: 50 MB for a 49k vocabulary
@@ -51,14 +52,7 @@ def prompt_logprobs(
         chosen = logp.gather(1, want[:, None])  # [rows, 1]
         values += chosen.squeeze(1).tolist()
         ranks += ((logp > chosen).sum(-1) + 1).tolist()
-        k = max(counts[a : a + ROWS_PER_PASS])
-        if k:
-            top_v, top_i = logp.topk(min(k, logp.shape[-1]), dim=-1)
-            for j, (v, i) in enumerate(zip(top_v.tolist(), top_i.tolist())):
-                c = counts[a + j]
-                tops.append(list(zip(i[:c], v[:c])))
-        else:
-            tops += [[] for _ in range(logp.shape[0])]
+        tops += top_entries(logp, counts[a : a + ROWS_PER_PASS])
     if not values:
         return {}
     out = {}
