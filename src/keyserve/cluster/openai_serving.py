@@ -10,7 +10,6 @@ length, vocabulary, seats) are checked here, before anything reaches the engine 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
 import time
@@ -388,11 +387,12 @@ class OpenAIServing:
         return self.engine.tokenizer.decode(ctx + [token], skip_special_tokens=True)[len(before):]
 
     def _completion_logprobs(self, prompt_ids: list[int], token_ids: list[int], start: int,
-                             logprobs: list[float] | None, offset: int,
-                             tops: list[list[tuple[int, float]]] | None = None) -> CompletionLogprobs:
+                             logprobs: list[float | None] | None, offset: int,
+                             tops: list[list[tuple[int, float]] | None] | None = None) -> CompletionLogprobs:
         """``tops``: each token's alternatives from ``start`` (``CompletionOutput.top_logprobs``),
         sent as OpenAI does: text -> logprob, the chosen token's too (up to N + 1 entries; two
-        tokens of one text keep the likelier)."""
+        tokens of one text keep the likelier). A None entry (an echoed prompt's first token, which
+        has no context) stays null."""
         contexts = self._contexts(prompt_ids, token_ids, start)
         strings = [self._piece(c, t) for c, t in zip(contexts, token_ids[start:])]
         offsets = []
@@ -403,6 +403,9 @@ class OpenAIServing:
         if tops is not None:
             top = []
             for context, alternatives, chosen, lp in zip(contexts, tops, strings, logprobs or []):
+                if alternatives is None:
+                    top.append(None)
+                    continue
                 entry: dict[str, float] = {}
                 for token, value in alternatives:
                     entry.setdefault(self._piece(context, token), value)
@@ -439,23 +442,11 @@ class OpenAIServing:
         as OpenAI's echo with logprobs; the ``logprobs`` N alternatives where N > 0."""
         prompt_ids = out.prompt_token_ids
         lps = out.prompt_logprobs or [None] * len(prompt_ids)
-        tops = out.prompt_top_logprobs if req.logprobs else None
-        contexts = self._contexts([], prompt_ids, 0)  # the prompt's own tokens before each
-        strings = [self._piece(c, t) for c, t in zip(contexts, prompt_ids)]
-        offsets = [0, *itertools.accumulate(len(s) for s in strings)][: len(strings)]
-        top: list[dict[str, float] | None] | None = None
-        if tops is not None:
-            top = []
-            for context, alternatives, chosen, lp in zip(contexts, tops, strings, lps):
-                if alternatives is None or lp is None:
-                    top.append(None)
-                    continue
-                entry: dict[str, float] = {}
-                for token, value in alternatives[: req.logprobs]:
-                    entry.setdefault(self._piece(context, token), value)
-                entry.setdefault(chosen, lp)
-                top.append(entry)
-        return CompletionLogprobs(tokens=strings, token_logprobs=list(lps), top_logprobs=top, text_offset=offsets)
+        tops = None
+        if req.logprobs and out.prompt_top_logprobs is not None:  # the request's N of the engine's
+            tops = [t if t is None else t[: req.logprobs] for t in out.prompt_top_logprobs]
+        # the prompt's own tokens before each token give its text, as a generated token's do
+        return self._completion_logprobs([], prompt_ids, 0, lps, 0, tops)
 
     def _token_bytes(self) -> TokenBytes:
         """The tokenizer's ``TokenBytes`` (built once: it reads the tokenizer's decoder)."""
