@@ -148,7 +148,7 @@ static void linear_cols(const Dims *c, int products, const uint64_t *L, int wf, 
 #endif
 #ifdef KS_F32_BLOCK
     if (products == PRODUCTS_F32_BLOCKS) {
-        if (o1 > o0) ks_f32_cols(x, m, ldx, in, (const float *)ptr(L, pk), o0, o1, y, ldy, scratch);
+        if (o1 > o0) ks_f32_cols(x, m, ldx, in, (const float *)ptr(L, pk), o0, o1, y, ldy);
         return;
     }
 #endif
@@ -232,13 +232,11 @@ int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uin
     const int widest_in = widest > c.hq * c.d ? widest : c.hq * c.d;
     const int widest_out = (c.qkv_out > widest ? c.qkv_out : widest);
     /* product scratch, in floats -- AMX: x as padded bf16 tiles [64, widest_in] and the sums of
-     * the widest share of output columns (16-column blocks of 1024 floats); float32 tiles: x
-     * padded to whole 12-row tiles */
+     * the widest share of output columns (16-column blocks of 1024 floats); float32 tiles read x
+     * in place (each tile has exactly its rows) */
     size_t amx_scratch = 0;
     if (products == PRODUCTS_AMX)
         amx_scratch = (size_t)64 * widest_in / 2 + ((size_t)widest_out / 16 + 1) * 1024;
-    else if (products == PRODUCTS_F32_BLOCKS)
-        amx_scratch = (size_t)((m + 11) / 12 * 12) * widest_in;
     const size_t shared = (size_t)m * (c.hidden + c.qkv_out + c.hq * c.d + c.hidden + 2 * c.inter + c.inter);
     const size_t private_ = (size_t)m * widest + (size_t)c.hq * max_ctx + c.d + amx_scratch + 16;
     float *mem = malloc(sizeof(float) * (shared + private_ * num_threads));

@@ -32,7 +32,6 @@ void keyserve_f32_pack(const float *w, int64_t n, int64_t k, float *packed) {
 #ifdef KS_F32_BLOCK
 #include <immintrin.h>
 #include <omp.h>
-#include <stdlib.h>
 
 /* The 32 outputs of one packed block for MR rows of xp (k floats each, ldx apart), into out
  * [MR, 32]. MR constant (1 to 12: a tile has exactly the rows it multiplies, so the last tile of
@@ -80,9 +79,8 @@ static const ks_f32_tile_fn KS_F32_TILES[KS_F32_BLOCK_ROWS + 1] = {
     ks_f32_tile7, ks_f32_tile8, ks_f32_tile9, ks_f32_tile10, ks_f32_tile11, ks_f32_tile12};
 
 void ks_f32_cols(const float *x, int m, int ldx, int64_t k, const float *packed, int64_t c0, int64_t c1,
-                 float *y, int ldy, float *xpad) {
+                 float *y, int ldy) {
     const int rb = (m + KS_F32_BLOCK_ROWS - 1) / KS_F32_BLOCK_ROWS;
-    for (int r = 0; r < m; r++) memcpy(xpad + (int64_t)r * k, x + (int64_t)r * ldx, sizeof(float) * (size_t)k);
     float tile[KS_F32_BLOCK_ROWS * KS_F32_BLOCK_COLS];
     const int64_t block_lines = k * KS_F32_BLOCK_COLS * (int64_t)sizeof(float) / 64;
     const int64_t nb1 = c1 / KS_F32_BLOCK_COLS;
@@ -94,11 +92,11 @@ void ks_f32_cols(const float *x, int m, int ldx, int64_t k, const float *packed,
          * per weight load) */
         for (int r0 = 0, t = 0; r0 < m; t++) {
             const int rows = (m - r0) / (rb - t) + ((m - r0) % (rb - t) != 0);
-            const float *xp = xpad + (int64_t)r0 * k;
+            const float *xp = x + (int64_t)r0 * ldx;  /* read in place: no tile needs padding rows */
             const int64_t l0 = block_lines * t / rb, l1 = block_lines * (t + 1) / rb;
             const char *pf = next ? next + l0 * 64 : 0;
             const int64_t lines = next ? l1 - l0 : 0;
-            KS_F32_TILES[rows](xp, k, k, b, tile, pf, lines);
+            KS_F32_TILES[rows](xp, ldx, k, b, tile, pf, lines);
             for (int r = 0; r < rows; r++)
                 memcpy(y + (int64_t)(r0 + r) * ldy + nb * KS_F32_BLOCK_COLS, tile + r * KS_F32_BLOCK_COLS,
                        sizeof(float) * KS_F32_BLOCK_COLS);
@@ -109,27 +107,19 @@ void ks_f32_cols(const float *x, int m, int ldx, int64_t k, const float *packed,
 
 /* y [m, n] = x [m, k] . W^T for W packed by keyserve_f32_pack, the 32-column blocks split over
  * num_threads OpenMP threads (the LM head of a decode step of a few dozen rows: an ordinary
- * linear, outside the layer stack). Returns 0, or 1 when scratch could not be allocated. */
+ * linear, outside the layer stack). Returns 0 (2 in a build without the tiles). */
 int keyserve_f32_linear(const float *x, int m, int64_t k, const float *packed, int64_t n, float *y,
                         int num_threads) {
-    int failed = 0;
-    const int rb = (m + KS_F32_BLOCK_ROWS - 1) / KS_F32_BLOCK_ROWS;
     const int64_t blocks = n / KS_F32_BLOCK_COLS;
     if (num_threads < 1) num_threads = 1;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+#pragma omp parallel num_threads(num_threads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        float *xpad = malloc(sizeof(float) * (size_t)rb * KS_F32_BLOCK_ROWS * (size_t)k);
-        if (!xpad) {
-            failed = 1;
-        } else {
-            const int64_t c0 = KS_F32_BLOCK_COLS * (blocks * tid / nt);
-            const int64_t c1 = KS_F32_BLOCK_COLS * (blocks * (tid + 1) / nt);
-            if (c1 > c0) ks_f32_cols(x, m, (int)k, k, packed, c0, c1, y, (int)n, xpad);
-            free(xpad);
-        }
+        const int64_t c0 = KS_F32_BLOCK_COLS * (blocks * tid / nt);
+        const int64_t c1 = KS_F32_BLOCK_COLS * (blocks * (tid + 1) / nt);
+        if (c1 > c0) ks_f32_cols(x, m, (int)k, k, packed, c0, c1, y, (int)n);
     }
-    return failed;
+    return 0;
 }
 #else
 int keyserve_f32_linear(const float *x, int m, int64_t k, const float *packed, int64_t n, float *y,

@@ -22,10 +22,9 @@ int keyserve_f32_block_available(void);
 
 #ifdef KS_F32_BLOCK
 /* y[i, c0:c1] = x[i, :] . W[c0:c1, :] for i < m, columns c0..c1-1 (multiples of 32) of W [n, k]
- * packed by keyserve_f32_pack; x rows ldx apart, y rows ldy apart. Scratch: xpad of
- * ceil(m / 12) * 12 * k floats. */
+ * packed by keyserve_f32_pack; x rows ldx apart, y rows ldy apart. */
 void ks_f32_cols(const float *x, int m, int ldx, int64_t k, const float *packed, int64_t c0, int64_t c1,
-                 float *y, int ldy, float *xpad);
+                 float *y, int ldy);
 #endif
 
 #endif

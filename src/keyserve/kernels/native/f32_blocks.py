@@ -75,6 +75,5 @@ def f32_block_linear(
     rc = lib.keyserve_f32_linear(xc.data_ptr(), m, k, packed_weight(weight).data_ptr(), n, y.data_ptr(),
                                  torch.get_num_threads())
     if rc:
-        raise MemoryError("f32_block_linear: no scratch memory") if rc == 1 else RuntimeError(
-            "f32_block_linear: this build has no float32 register tiles")
+        raise RuntimeError("f32_block_linear: this build has no float32 register tiles")
     return y
