@@ -25,7 +25,7 @@ from keyserve.model.draft_model import (
 )
 from keyserve.model.llama import LlamaForCausalLM
 from keyserve.model.loader import LoadedModel, load_model
-from keyserve.training.acceptance import simulate_greedy
+from keyserve.training.acceptance import simulate_greedy, simulate_tree, tree_nodes
 from keyserve.training.dense import DenseLlama
 from keyserve.training.distill import DistillOptions, distill_draft, init_layer_ids
 from keyserve.training.export import export_draft
@@ -122,6 +122,19 @@ def test_simulated_greedy_speculation_counts_tokens_per_forward() -> None:
     assert simulate_greedy([True, True, True, False, True], 2) == pytest.approx(5 / 3)
     assert simulate_greedy([False] * 4, 3) == 1.0  # every forward yields only its own token
     assert simulate_greedy([True] * 6, 5) == 6.0  # one forward: five drafts and the bonus
+
+
+def test_simulated_tree_counts_tokens_per_forward() -> None:
+    # ranks of the target's token in the draft (0: its argmax). Tree 2x1 over [1, 0, 3, 0, 0]:
+    # depth 0 takes rank < 2 (1: yes), depth 1 rank < 1 (0: yes) -> 2 drafts + 1, pos 3;
+    # then rank 0 < 2, rank 0 < 1 -> pos 6 >= 5: 2 forwards for 5 tokens. A chain (1x1) of the
+    # same text: rejects at 0 (pos 1), accepts 1 and stops at 3 (pos 3), accepts 2 (done): 3.
+    ranks = [1, 0, 3, 0, 0]
+    assert simulate_tree(ranks, (2, 1)) == pytest.approx(5 / 2)
+    assert simulate_tree(ranks, (1, 1)) == pytest.approx(5 / 3)
+    assert simulate_tree([5, 5], (4,)) == 1.0  # never among the top 4: one token per forward
+    assert simulate_tree([3, 0, 0], (4, 1, 1)) == 3.0  # one forward: three drafts
+    assert (tree_nodes((2, 1)), tree_nodes((3, 2, 1)), tree_nodes((1, 1, 1))) == (4, 15, 3)
 
 
 def test_exported_draft_equals_the_trained_model(

@@ -60,15 +60,9 @@ class AcceptanceReport:
 
 def simulate_greedy(agree: list[bool], k: int) -> float:
     """Tokens per target forward of greedy speculative decoding with ``k`` drafts, given
-    whether the draft's argmax matches the target's at each position of the target's text."""
-    pos, forwards, n = 0, 0, len(agree)
-    while pos < n:
-        accepted = 0
-        while accepted < k and pos + accepted < n and agree[pos + accepted]:
-            accepted += 1
-        pos += accepted + 1  # the accepted drafts plus the target's own token
-        forwards += 1
-    return n / max(forwards, 1)
+    whether the draft's argmax matches the target's at each position of the target's text: a
+    tree of one child per depth (``simulate_tree``, rank 0 where they agree)."""
+    return simulate_tree([0 if a else 1 for a in agree], (1,) * k)
 
 
 TREES = ((2,), (3,), (2, 1), (3, 1), (2, 2), (3, 2), (3, 2, 1), (4, 2, 1))
@@ -86,7 +80,7 @@ def simulate_tree(ranks: list[int], widths: tuple[int, ...]) -> float:
         depth = 0
         while depth < len(widths) and pos + depth < n and ranks[pos + depth] < widths[depth]:
             depth += 1
-        pos += depth + 1
+        pos += depth + 1  # the accepted drafts plus the target's own token
         forwards += 1
     return n / max(forwards, 1)
 
