@@ -28,21 +28,11 @@ from keyserve.model.draft_model import load_draft
 from keyserve.model.loader import LoadedModel, load_model
 from keyserve.training.dense import DenseLlama
 from keyserve.training.generate import GenerationJob, generate_answers
+from keyserve.training.prompts import HELD_OUT_PROMPTS
 from keyserve.training.records import Answer
 from keyserve.training.teacher_forced import teacher_forced_logits
 
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in one sentence what a CPU cache is.",
-    "List three fruits that are red.",
-    "How do I reverse a list in Python?",
-    "Give me two tips for better sleep.",
-    "Why is the sky blue?",
-    "Write a short story about a cat who learns to fly.",
-    "What are the benefits of regular exercise?",
-    "Summarize the plot of Romeo and Juliet in three sentences.",
-]
+CHAT_PROMPTS = HELD_OUT_PROMPTS  # kept out of distill-draft's prompt set
 
 
 @dataclass

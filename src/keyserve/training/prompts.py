@@ -30,6 +30,50 @@ TOPICS = [
     "the violin", "yoga", "cloud computing", "the Eiffel Tower", "camping", "plate tectonics",
 ]
 
+# Added for the third draft (2026-11-29): the first 1,917 prompts were all answered, and
+# held-out agreement was still rising with more answers.
+MORE_TOPICS = [
+    "the Great Barrier Reef", "submarines", "the Wright brothers", "cheese making", "elephants",
+    "the Northern Lights", "hurricanes", "the human brain", "bridges", "paper money",
+    "the Cold War", "wind turbines", "spiders", "the Sahara", "chocolate", "the metric system",
+    "blood types", "the Mona Lisa", "nuclear power", "rivers", "smartphones", "the Vikings",
+    "batteries", "sharks", "the Hubble telescope", "pizza", "the Aztecs", "magnets", "tornadoes",
+    "the piano", "linear algebra", "compound interest", "the theory of evolution", "trains",
+    "soap", "the ozone layer", "clouds", "the Mayan calendar", "email", "fermentation",
+    "open source software", "the Statue of Liberty", "kangaroos", "satellites", "skyscrapers",
+    "the Ice Age", "allergies", "chess openings", "the speed of sound", "the Milky Way",
+    "butterflies", "the Panama Canal", "probability", "the stock exchange", "dolphins",
+    "the Olympic torch", "ancient Greece", "microplastics", "GPS", "bamboo", "the Titanic",
+    "sourdough", "tigers", "the human skeleton", "the Internet of Things", "ballet",
+    "the Suez Canal", "typography", "rain", "the appendix", "nutrition labels", "jellyfish",
+    "the Big Bang", "the Beatles", "fractions", "the library", "water purification", "maple syrup",
+    "artificial intelligence ethics", "the Moon", "beavers", "comets", "the lottery", "knitting",
+    "the Berlin Wall", "vitamins", "a healthy morning routine", "electric guitars", "sand dunes",
+    "the Rosetta Stone", "migration of birds", "the recycling of glass", "street food", "fossils",
+    "hydroelectric dams", "the microscope", "the telephone", "the compass", "the Sun",
+]
+
+MORE_QUESTIONS = [
+    "What is the tallest mountain in the world?", "How many days are in a leap year?",
+    "Who painted the Mona Lisa?", "What is the chemical symbol for gold?",
+    "How many bones are in the human body?", "What is the longest river in the world?",
+    "How do bees make honey?", "What is the difference between a lake and a pond?",
+    "Why do we have time zones?", "How does a rainbow form?", "What is a prime number?",
+    "How do I make pancakes?", "What is the fastest land animal?", "How do fish breathe?",
+    "What is the smallest country in the world?", "Why do we dream?",
+    "How do I stay motivated when working from home?", "What is a black hole made of?",
+    "How can I save money on groceries?", "What language is spoken in Brazil?",
+    "What is the freezing point of water in Fahrenheit?", "How do plants drink water?",
+    "What is the difference between a crocodile and an alligator?", "Who invented the light bulb?",
+    "How often should I water a cactus?", "What is machine learning in simple terms?",
+    "How do I tie a tie?", "What makes a good password?", "Why is the ocean salty?",
+    "What is the main ingredient in guacamole?", "How far is the Moon from Earth?",
+    "What are the three states of matter?", "How do I write a cover letter?",
+    "What is the capital of Japan?", "Why do birds fly south for the winter?",
+    "How does the heart pump blood?", "What is a haiku?", "How do I learn to play guitar?",
+    "What is the difference between a list and a tuple in Python?", "How do solar panels work?",
+]
+
 INSTRUCTIONS = [
     "Explain {t} to a ten-year-old.",
     "What is {t}? Answer in a short paragraph.",
@@ -145,6 +189,21 @@ SMALL_TALK = [
 ]
 
 
+# The prompts ``keyserve.training.acceptance`` measures a draft on: never trained on.
+HELD_OUT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a CPU cache is.",
+    "List three fruits that are red.",
+    "How do I reverse a list in Python?",
+    "Give me two tips for better sleep.",
+    "Why is the sky blue?",
+    "Write a short story about a cat who learns to fly.",
+    "What are the benefits of regular exercise?",
+    "Summarize the plot of Romeo and Juliet in three sentences.",
+]
+
+
 def _pydoc_prompts(rng: random.Random) -> list[str]:
     try:
         from pydoc_data.topics import topics
@@ -175,12 +234,12 @@ def _arithmetic(rng: random.Random, n: int) -> list[str]:
 def _pools(rng: random.Random) -> list[list[str]]:
     """Every category's prompts, each shuffled; the combinations far exceed any run's needs."""
     pools = [
-        [i.format(t=t) for t in TOPICS for i in INSTRUCTIONS],
+        [i.format(t=t) for t in TOPICS + MORE_TOPICS for i in INSTRUCTIONS],
         [t.format(s=s) for s in STORY_STARTERS for t in STORY_TEMPLATES],
         [t.format(c=c) for c in CODE_TASKS for t in CODE_TEMPLATES],
         _pydoc_prompts(rng),
         [t.format(s=s) for s in SENTENCES for t in REWRITE_TEMPLATES],
-        list(QUESTIONS),
+        list(QUESTIONS + MORE_QUESTIONS),
         list(SMALL_TALK),
         _arithmetic(rng, 200),
     ]
@@ -199,7 +258,7 @@ def build_prompts(n: int, seed: int = 0) -> list[str]:
     pools = _pools(rng)
     weights = _WEIGHTS[: len(pools)]
     out: list[str] = []
-    seen: set[str] = set()
+    seen: set[str] = set(HELD_OUT_PROMPTS)  # never trained on
     while len(out) < n and any(pools):
         for pool, w in zip(pools, weights):
             for _ in range(w):
