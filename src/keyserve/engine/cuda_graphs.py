@@ -46,13 +46,15 @@ def bucket_for(num_rows: int, max_rows: int) -> int | None:
 
 
 def graphable(meta: AttentionMetadata, num_tokens: int, max_blocks: int) -> bool:
-    """A step the graphs can run: decode rows only, no scores, 1-D slots and context lengths,
-    block tables no wider than the static buffer."""
+    """A step the graphs can run: decode rows only, no scores, no tree masks (the captured
+    graphs have no buffer for them: tree verification steps run eagerly), 1-D slots and context
+    lengths, block tables no wider than the static buffer."""
     return (
         meta.num_prefill_seqs == 0
         and meta.num_decode_seqs == num_tokens > 0
         and meta.score_mode is None
         and meta.noise_keys is None
+        and meta.decode_tree_masks is None
         and meta.slot_mapping.dim() == 1
         and meta.decode_context_lens.dim() == 1
         and meta.decode_block_tables.shape[1] <= max_blocks

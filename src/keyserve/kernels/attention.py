@@ -7,12 +7,18 @@ pure-torch reference (which the native kernel is tested against).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 
 from keyserve.kernels import cpu_paths, noise, reference
 from keyserve.kernels.metadata import AttentionMetadata, LayerScores
 from keyserve.kernels.native import decode as native_decode
 from keyserve.kernels.native import write_kv as native_write
+
+
+_NO_KWARGS: Mapping[str, object] = MappingProxyType({})  # no extra keywords (shared, read-only)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -76,8 +82,10 @@ def paged_attention(
     dec_scores = pre_scores = None
     if n_dec:
         dec_args = (query[:n_dec], k_cache, v_cache, meta.decode_block_tables, dec_lens, scale)
+        # tree speculation's rows see the prefix, their ancestors and themselves
+        tree = _NO_KWARGS if meta.decode_tree_masks is None else {"tree_masks": meta.decode_tree_masks}
         out, dec_scores = _with_scores(
-            decode_fn, dec_args, meta, None if tau is None else tau[:n_dec], slice(0, n_dec), layer_key
+            decode_fn, dec_args, meta, None if tau is None else tau[:n_dec], slice(0, n_dec), layer_key, tree
         )
         outs.append(out)
     if meta.num_prefill_seqs:
@@ -94,18 +102,19 @@ def paged_attention(
 
 
 def _with_scores(fn, args: tuple, meta: AttentionMetadata, tau: torch.Tensor | None, rows: slice,
-                 layer_key: int):
-    """Call one attention function; a batch mixing H2O and Keyformer rows runs the score pass
-    twice (rare: it only happens when both policies share a step) and picks per row."""
+                 layer_key: int, extra: Mapping[str, object] = _NO_KWARGS):
+    """Call one attention function (with ``extra`` keywords: decode's tree masks); a batch
+    mixing H2O and Keyformer rows runs the score pass twice (rare: it only happens when both
+    policies share a step) and picks per row."""
     window = meta.sliding_window
     if meta.score_mode is None or meta.score_mode == "softmax":
-        return fn(*args, sliding_window=window, score_mode=meta.score_mode, tau=tau)
+        return fn(*args, sliding_window=window, score_mode=meta.score_mode, tau=tau, **extra)
     keys = None if meta.noise_keys is None else meta.noise_keys[rows]
     noisy_kw = dict(sliding_window=window, score_mode="gumbel", tau=tau, noise_keys=keys,
-                    noise_layer=layer_key)
+                    noise_layer=layer_key, **extra)
     if meta.score_mode == "gumbel":
         return fn(*args, **noisy_kw)
-    out, plain = fn(*args, sliding_window=window, score_mode="softmax", tau=tau)
+    out, plain = fn(*args, sliding_window=window, score_mode="softmax", tau=tau, **extra)
     _, noisy = fn(*args, **noisy_kw)
     gumbel = meta.gumbel_rows[rows].to(plain.device)[:, None, None]
     return out, torch.where(gumbel, noisy, plain)

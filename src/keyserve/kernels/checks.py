@@ -135,6 +135,16 @@ def check_attention(
                 f"has {t.shape[0]} entries, expected num_seqs = {tables.shape[0]}")
 
 
+def check_tree_masks(tree_masks: object, num_seqs: int, device: torch.device) -> torch.Tensor | None:
+    """Decode rows' tree masks (``AttentionMetadata.decode_tree_masks``): None, or a contiguous
+    [num_seqs] int64 tensor beside the query (kernels read it by raw row index)."""
+    if tree_masks is None:
+        return None
+    t = check_tensor("tree_masks", tree_masks, 1, (torch.int64,), device)
+    require(t.shape[0] == num_seqs, "tree_masks", f"has {t.shape[0]} entries, expected num_seqs = {num_seqs}")
+    return t
+
+
 def check_table_covers(block_tables: torch.Tensor, block_size: int, max_ctx: int) -> None:
     covered = block_tables.shape[1] * block_size
     require(covered >= max_ctx, "block_tables",

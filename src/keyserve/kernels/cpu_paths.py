@@ -97,6 +97,24 @@ def _groups(lens: list[int], bytes_per_slot: int, budget: int) -> list[tuple[int
     return groups
 
 
+# Slots a decode row's tree mask covers (AttentionMetadata.decode_tree_masks): bits 0..62 of
+# an int64, bit i for slot L-1-i; older slots are always visible.
+TREE_BITS = 63
+
+
+def tree_visible(
+    slots: torch.Tensor,  # [..., num_slots] int64 logical slots
+    lens: torch.Tensor,  # int64 context lengths, broadcastable against slots
+    masks: torch.Tensor,  # int64 tree masks (-1: every slot), broadcastable against slots
+) -> torch.Tensor:  # bool, the broadcast shape
+    """Which slots a row's tree mask shows: slot t of a row with context L is visible iff
+    L-1-t >= 63 or bit L-1-t of its mask is set. The shift is clamped to 0..63 (shifts past
+    63 are undefined); slots at or past L come out as bit 0 and must be masked by the caller."""
+    back = lens - 1 - slots
+    bit = torch.bitwise_right_shift(masks, back.clamp(0, TREE_BITS)) & 1
+    return (back >= TREE_BITS) | (bit == 1)
+
+
 def decode_sdpa(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -105,17 +123,21 @@ def decode_sdpa(
     lens: list[int],  # filled slots per sequence
     scale: float,
     sliding_window: int | None,
+    tree_masks: torch.Tensor | None = None,  # [num_seqs] int64 (see tree_visible)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if tree_masks is not None and bool((tree_masks == -1).all()):
+        tree_masks = None  # every slot visible: the unmasked path, the same bits as no masks
     slot_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()
     groups = _groups(lens, slot_bytes, GROUP_BYTES)
     if len(groups) == 1 and min(lens) > 0:  # one group: no output buffer to stitch into
-        return _decode_group(query, k_cache, v_cache, block_tables, lens, scale, sliding_window)
+        return _decode_group(query, k_cache, v_cache, block_tables, lens, scale, sliding_window, tree_masks)
     out = torch.zeros_like(query)
     for s0, s1 in groups:
         if max(lens[s0:s1]) > 0:
             out[s0:s1] = _decode_group(query[s0:s1], k_cache, v_cache, block_tables[s0:s1],
-                                       lens[s0:s1], scale, sliding_window)
+                                       lens[s0:s1], scale, sliding_window,
+                                       None if tree_masks is None else tree_masks[s0:s1])
     return out
 
 
@@ -127,6 +149,7 @@ def _decode_group(
     lens: list[int],  # g lengths, at least one > 0
     scale: float,
     sliding_window: int | None,
+    tree_masks: torch.Tensor | None = None,  # [g] int64
 ) -> torch.Tensor:  # [g, num_heads, head_dim]
     block_size = k_cache.shape[1]
     hi, shortest = max(lens), min(lens)
@@ -135,8 +158,8 @@ def _decode_group(
     k, v = _gather_kv(k_cache, v_cache, block_tables[:, b0:b1])
     q = query.unsqueeze(2).to(k.dtype)  # [g, num_heads, 1, head_dim]
     first = b0 * block_size
-    mask = None
-    if shortest == hi:  # equal lengths: slice the slots instead of masking
+    mask = keep = None
+    if shortest == hi and tree_masks is None:  # equal lengths: slice the slots instead of masking
         start = 0 if sliding_window is None else max(0, hi - sliding_window) - first
         k, v = k[:, :, start : hi - first], v[:, :, start : hi - first]
     else:
@@ -145,10 +168,14 @@ def _decode_group(
         keep = slots < ctx
         if sliding_window is not None:
             keep &= slots >= ctx - sliding_window
+        if tree_masks is not None:
+            keep &= tree_visible(slots, ctx, tree_masks.to(query.device, torch.int64)[:, None])
         mask = keep[:, None, None, :]  # [g, 1, 1, slots]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     o = o.squeeze(2).to(query.dtype)
-    if shortest == 0:  # fully masked rows: zeros, whatever the SDPA backend returns
+    if tree_masks is not None:  # rows with nothing visible: zeros, as for empty rows
+        o[~keep.any(dim=1)] = 0.0
+    elif shortest == 0:  # fully masked rows: zeros, whatever the SDPA backend returns
         o[torch.tensor(lens, device=query.device) == 0] = 0.0
     return o
 

@@ -42,6 +42,13 @@ class AttentionMetadata:
     # Keyformer's noise per row (kernels/noise.py): [num_seqs, 2] int64 (noise seed, position of
     # the row's first query token), decode seqs first; None: every row draws a random seed
     noise_keys: torch.Tensor | None = None
+    # Tree speculation: [num_decode_seqs] int64 mask per decode row over the last slots of its
+    # context. With L the row's context length in the layer, bit i (0 <= i <= 62) says whether
+    # slot L-1-i is visible (bit 0: the row's own token); slots L-1-i with i >= 63 are always
+    # visible and bit 63 is ignored; -1 shows every slot (a normal decode row). Hidden slots
+    # leave the softmax as if absent (output and scores; their scores are 0); combines with
+    # ``sliding_window``. None: no masks (the fast path).
+    decode_tree_masks: torch.Tensor | None = None  # [num_decode_seqs] int64
 
     @property
     def num_prefill_seqs(self) -> int:

@@ -19,7 +19,9 @@ Kernel layout, in short:
   every slot looks its block up in the block table) with an online softmax. Long contexts with
   few (sequence, kv-head) pairs use the split-K (flash-decoding) path: the context is cut into
   partitions of ``partition_size`` slots, each program writes an unnormalised partial output
-  with its running max and sum, and ``_decode_reduce_kernel`` merges them.
+  with its running max and sum, and ``_decode_reduce_kernel`` merges them. A row's tree mask
+  (``tree_masks``, tree speculation) is loaded once per program and turns hidden slots' logits
+  to -inf, the logits stored for scores included (so their scores are 0).
 - **Prefill / chunked prefill**: one program per (sequence, kv-head, tile of ``BLOCK_Q`` query
   tokens); its rows are (query token, group head) pairs. Query ``j`` sits at slot ``P + j``
   (``P`` = cached prefix) and attends slots ``<= P + j`` (and ``> P + j - window``).
@@ -91,6 +93,17 @@ def _slot_rows(table_row_ptr, slots, slot_ok, BLOCK_SIZE: tl.constexpr):
     span several cache blocks, so every slot looks its own block up."""
     block = tl.load(table_row_ptr + slots // BLOCK_SIZE, mask=slot_ok, other=0).to(tl.int64)
     return block, slots % BLOCK_SIZE
+
+
+@triton.jit
+def _tree_visible(mask, ctx, n):
+    """[N] which slots ``n`` a decode row's tree mask shows (``AttentionMetadata.decode_tree_masks``):
+    slot t of a row with context ``ctx`` is visible iff ctx-1-t >= 63 or bit ctx-1-t of ``mask``
+    (int64) is set. The shift is clamped to 0..63 (shifts past 63 are undefined); slots at or
+    past ``ctx`` read bit 0 and are masked by the caller."""
+    back = (ctx - 1 - n).to(tl.int64)
+    shift = tl.minimum(tl.maximum(back, 0), 63)
+    return (back >= 63) | (((mask >> shift) & 1) == 1)
 
 
 @triton.jit
@@ -178,6 +191,7 @@ def _write_kv_kernel(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr,
+    tree_ptr,  # [S] int64 decode tree masks (read only when HAS_TREE)
     out_ptr,  # [S, Hq, D] (direct) or [S, Hq, P, D] float32 partial outputs (split-K)
     m_ptr, l_ptr,  # [S, Hq, P] partial max / sum (split-K only)
     sm_ptr, sl_ptr,  # score-softmax max / sum: [S, Hq] (direct) or [S, Hq, P] (split-K)
@@ -192,11 +206,15 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr,
     SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, SCORE_MODE: tl.constexpr,
     HAS_U: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_TREE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     ctx = tl.minimum(tl.load(ctx_ptr + seq).to(tl.int32), max_slots)  # never past the table
+    tree = -1
+    if HAS_TREE:  # the row's tree mask, once per program (split-K: against the whole context)
+        tree = tl.load(tree_ptr + seq).to(tl.int64)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0)
@@ -235,7 +253,10 @@ def _decode_kernel(
         k_off = block * stride_kcb + offset * stride_kcs + kv_head * stride_kch
         k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         x = _qk(q, k, USE_DOT, PRECISION) * scale
-        x = tl.where(n_ok[None, :], x, float("-inf"))
+        seen = n_ok
+        if HAS_TREE:  # hidden slots: -inf logits (weight 0, stored for the scores as -inf: 0)
+            seen = seen & _tree_visible(tree, ctx, n)
+        x = tl.where(seen[None, :], x, float("-inf"))
         p, alpha, m, l = _online_update(x, m, l)
         v_off = block * stride_vcb + offset * stride_vcs + kv_head * stride_vch
         v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -591,10 +612,13 @@ def paged_decode_attention(
     *,
     noise_keys: torch.Tensor | None = None,  # [num_seqs, 2] int64: (noise seed, query position)
     noise_layer: int = 0,  # noise.layer_key(layer, first query head)
+    tree_masks: torch.Tensor | None = None,  # [num_seqs] int64 (AttentionMetadata.decode_tree_masks)
     split_k: bool | None = None,
     partition_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query token per sequence against its paged context (see reference.py).
+    ``tree_masks`` hides slots of each row's last 63 as the reference does (None: no masks,
+    and the kernel is compiled without the mask code).
 
     ``split_k`` forces (True) or forbids (False) the flash-decoding path; None lets
     ``_want_split_k`` decide. ``partition_size`` (slots, rounded up to the tile) sets its
@@ -609,6 +633,7 @@ def paged_decode_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     checks.require(block_tables.shape[0] == num_seqs, "block_tables",
                    f"has {block_tables.shape[0]} rows, expected num_seqs = {num_seqs}")
+    checks.check_tree_masks(tree_masks, num_seqs, query.device)
     mode = _SCORE_CODES[score_mode]
     # Without scores the grid needs only a bound on the context, so the hot decode path makes
     # no host sync (the kernel clamps each context to what its table covers). Scores need the
@@ -655,6 +680,7 @@ def paged_decode_attention(
         stride_op = 0
     _decode_kernel[(num_seqs, num_kv_heads, num_parts)](
         query, k_cache, v_cache, block_tables, context_lens,
+        context_lens if tree_masks is None else tree_masks,
         dst, part_m, part_l, dst_sm, dst_sl, logits,
         tau_t, u, keys, noise_layer & 0xFFFFFFFF,
         float(scale), sliding_window or 0, head_dim, max_ctx, num_heads, covered,
@@ -667,6 +693,7 @@ def paged_decode_attention(
         GROUP=group, G_PAD=_pow2(group), D_PAD=d_pad, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         PARTITION=partition, SPLIT=split, HAS_WINDOW=sliding_window is not None,
         SCORE_MODE=mode, HAS_U=has_u, USE_DOT=use_dot, PRECISION=precision,
+        HAS_TREE=tree_masks is not None,
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](

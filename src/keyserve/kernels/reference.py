@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from keyserve.kernels import cpu_paths, noise
+from keyserve.kernels import checks, cpu_paths, noise
 
 ScoreMode = Literal["softmax", "gumbel"]
 
@@ -122,9 +122,12 @@ def paged_decode_attention_reference(
     *,
     noise_keys: torch.Tensor | None = None,  # [num_seqs, 2] int64: (noise seed, query position)
     noise_layer: int = 0,  # noise.layer_key(layer, first query head)
+    tree_masks: torch.Tensor | None = None,  # [num_seqs] int64 (AttentionMetadata.decode_tree_masks)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query token per sequence against its paged context.
 
+    ``tree_masks`` hides some of each row's last 63 slots (tree speculation: a node sees the
+    prefix, its ancestors and itself); hidden slots are treated as absent, scores included.
     Returns ``(out [num_seqs, num_heads, head_dim], scores [num_seqs, num_kv_heads, max_context]
     or None)`` where ``max_context = max(context_lens)``.
     """
@@ -132,10 +135,11 @@ def paged_decode_attention_reference(
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
+    checks.check_tree_masks(tree_masks, num_seqs, query.device)
     if score_mode is None:
         lens = context_lens.tolist()
         return cpu_paths.decode_sdpa(
-            query, k_cache, v_cache, block_tables, lens, scale, sliding_window
+            query, k_cache, v_cache, block_tables, lens, scale, sliding_window, tree_masks
         ), None
     max_ctx = int(context_lens.max().item()) if num_seqs else 0
     out = torch.zeros_like(query)
@@ -151,6 +155,8 @@ def paged_decode_attention_reference(
     mask = slots[None, :] < lens  # [S, T]
     if sliding_window is not None:
         mask &= slots[None, :] > lens - 1 - sliding_window
+    if tree_masks is not None:
+        mask &= cpu_paths.tree_visible(slots[None, :], lens, tree_masks.to(query.device, torch.int64)[:, None])
     mask4 = mask[:, None, None, :]
     logits = logits.masked_fill(~mask4, float("-inf"))
     probs = _safe_softmax(logits)

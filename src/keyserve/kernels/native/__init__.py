@@ -121,7 +121,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i, f, u32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_uint32
     lib.keyserve_paged_decode.restype = None
     lib.keyserve_paged_decode.argtypes = [
-        p, p, p, i, p, i, p, i, i, i, i, i, f, i, p, i, p, p, p, u32, p, i, i, i, i,
+        p, p, p, i, p, i, p, i, i, i, i, i, f, i, p, i, p, p, p, u32, p, i, i, i, i, p,
     ]
     lib.keyserve_gumbel_noise.restype = None
     lib.keyserve_gumbel_noise.argtypes = [p, u32, u32, i, ctypes.c_int64, i, ctypes.c_int64, i, i]
@@ -154,5 +154,5 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.keyserve_rotary.argtypes = [p, i64, p, p, p, i64, i, i, i, i]
     lib.keyserve_decode_stack.restype = i
     lib.keyserve_decode_stack.argtypes = [
-        p, f, f, p, p, p, p, p, i, p, p, p, i64, i, i, p, i, p, i64, i, p, i,
+        p, f, f, p, p, p, p, p, i, p, p, p, i64, i, i, p, i, p, i64, i, p, i, p,
     ]

@@ -450,20 +450,50 @@ static inline void ks_attend_values(const ks_kv_view *kv, const float *probs, in
     });
 }
 
+/* Slots a tree mask covers (keyserve/kernels/metadata.py, decode_tree_masks): bit i of a row's
+ * int64 mask, 0 <= i < KS_TREE_BITS, shows slot len-1-i; older slots are always visible. */
+#define KS_TREE_BITS 63
+
+/* Hides the slots of lo..len-1 that `mask` does not show, for `rows` rows of logits ([rows,
+ * len - lo]): their logits become -inf, so the softmax gives them weight exactly 0 (the values
+ * pass then adds 0 * V, and scores from these logits are 0). Only the last min(63, len - lo)
+ * slots can be hidden. Returns 1 when some slot of lo..len-1 stays visible. */
+static inline int ks_hide_tree_slots(float *logits, int rows, int lo, int len, int64_t mask) {
+    const int n = len - lo;
+    int visible = len - KS_TREE_BITS > lo; /* a slot older than the mask's reach */
+    for (int i = 0; i < KS_TREE_BITS && len - 1 - i >= lo; i++) {
+        if (((uint64_t)mask >> i) & 1u) {
+            visible = 1;
+            continue;
+        }
+        for (int j = 0; j < rows; j++) logits[(int64_t)j * n + (len - 1 - i - lo)] = -INFINITY;
+    }
+    return visible;
+}
+
 /* o = softmax(q . K * scale) @ V for the query heads of `heads` kv heads from kv->kv_head on:
  * the logits pass, a softmax per head into probs (which may be logits itself, when the logits
  * are not needed afterwards), the values pass. logits, probs: [heads * group, len - lo];
- * o: [heads * group, d]. len <= lo gives zeros. */
-static inline void ks_attend(const ks_kv_view *kv, const float *q, int group, int heads, int lo,
-                             int len, float scale, float *logits, float *probs, float *o) {
+ * o: [heads * group, d]. tree_mask: the row's decode tree mask (-1: every slot, and nothing
+ * extra is done; otherwise hidden slots' logits are -inf before the softmax). Returns 1, or 0
+ * with zeros in o (logits and probs undefined) when no slot is visible: len <= lo, or a tree
+ * mask hiding every slot of lo..len-1. */
+static inline int ks_attend(const ks_kv_view *kv, const float *q, int group, int heads, int lo,
+                            int len, float scale, int64_t tree_mask, float *logits, float *probs,
+                            float *o) {
     const int n = len - lo, hq = heads * group;
     if (n <= 0) {
         memset(o, 0, sizeof(float) * (size_t)hq * kv->d);
-        return;
+        return 0;
     }
     ks_attend_logits(kv, q, group, heads, lo, len, scale, logits);
+    if (tree_mask != -1 && !ks_hide_tree_slots(logits, hq, lo, len, tree_mask)) {
+        memset(o, 0, sizeof(float) * (size_t)hq * kv->d);
+        return 0;
+    }
     for (int j = 0; j < hq; j++) softmax_into(logits + (int64_t)j * n, probs + (int64_t)j * n, n);
     ks_attend_values(kv, probs, group, heads, lo, len, o);
+    return 1;
 }
 
 #endif

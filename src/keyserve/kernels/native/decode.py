@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from keyserve.kernels import noise
+from keyserve.kernels import checks, noise
 from keyserve.kernels.native import library, require_library
 
 _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -48,12 +48,14 @@ def paged_decode_attention_native(
     *,
     noise_keys: torch.Tensor | None = None,  # [num_seqs, 2] int64: (noise seed, query position)
     noise_layer: int = 0,  # noise.layer_key(layer, first query head)
+    tree_masks: torch.Tensor | None = None,  # [num_seqs] int64 (AttentionMetadata.decode_tree_masks)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as ``reference.paged_decode_attention_reference``: ``(out [num_seqs,
     num_heads, head_dim] in query's dtype, scores [num_seqs, num_kv_heads, max_context] float32
     or None)``. Gumbel noise is ``kernels/noise.py``'s hash of each row's ``noise_keys``, the
     layer and head (``noise_layer``) and the slot; without keys every row gets a seed drawn
-    from torch's generator."""
+    from torch's generator. ``tree_masks`` go to the kernel as a pointer (NULL when None),
+    checked first: it reads one int64 per row."""
     lib = require_library()
     if score_mode not in (None, "softmax", "gumbel"):
         raise ValueError(f"score_mode: expected None, 'softmax' or 'gumbel', got {score_mode!r}")
@@ -69,6 +71,7 @@ def paged_decode_attention_native(
     q = _as(query, io_dtype)
     tables = _as(block_tables, torch.int32)
     lens = _as(context_lens, torch.int32)
+    masks = checks.check_tree_masks(tree_masks, num_seqs, query.device)
     mode = {None: 0, "softmax": 1, "gumbel": 2}[score_mode]
     if mode and max_context is None:
         max_context = int(lens.max()) if num_seqs else 0
@@ -97,7 +100,7 @@ def paged_decode_attention_native(
             None if keys is None else keys.data_ptr(), noise_layer & 0xFFFFFFFF,
             None if scores is None else scores.data_ptr(),
             -1 if max_context is None else max_context, torch.get_num_threads(), PARALLEL_MIN_ROWS,
-            _CACHE_DTYPES[io_dtype],
+            _CACHE_DTYPES[io_dtype], None if masks is None else masks.data_ptr(),
         )
     return out.to(query.dtype), scores
 

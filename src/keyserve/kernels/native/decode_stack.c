@@ -18,7 +18,8 @@
  *   qkv  = xn @ Wqkv^T (+ b)                 -> rotate q and k (rotate-half, cos/sin tables)
  *   write k, v at the row's slot (slot < 0: skip), in the cache's dtype
  *   attn = paged decode attention over the row's block table (sliding window on the layers
- *          that have one), as paged_decode.c computes it
+ *          that have one; the row's tree mask, if given, in every layer), as paged_decode.c
+ *          computes it
  *   h   += attn @ Wo^T (+ b)
  *   xn   = rms_norm(h) * w_post;  act = silu(xn @ Wg^T) * (xn @ Wu^T);  h += act @ Wd^T (+ b)
  * then out = rms_norm(h) * w_final in the model's dtype.
@@ -192,14 +193,17 @@ static int validate(const Dims *c, int m, const int64_t *ids, const int64_t *pos
 /* The step. layers: [num_layers][LAYER_FIELDS] pointers (P_SLIDING: 1 where the layer uses the
  * window). slots: [m] (layer and head strides 0) or [layers, m, hkv]; lens: [m] or [layers, m]
  * (lens_layer_stride m). window: the step's sliding window (0: none). out: [m, hidden] in the
- * model's dtype. Returns OK or the first validation error, before touching anything. */
+ * model's dtype. tree_masks: [m] int64 decode tree masks (attend.h's ks_attend), relative to
+ * each layer's own length, or NULL for none. Returns OK or the first validation error, before
+ * touching anything. */
 int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uint64_t *layers,
                           const void *embed, const void *final_norm, const float *cos_table,
                           const float *sin_table, int m, const int64_t *ids,
                           const int64_t *positions, const int64_t *slots,
                           int64_t slot_layer_stride, int slot_tok_stride, int slot_head_stride,
                           const int32_t *tables, int max_blocks, const int32_t *lens,
-                          int64_t lens_layer_stride, int window, void *out, int num_threads) {
+                          int64_t lens_layer_stride, int window, void *out, int num_threads,
+                          const int64_t *tree_masks) {
     Dims c = {
         .hidden = (int)dims[D_HIDDEN], .inter = (int)dims[D_INTER], .hq = (int)dims[D_HEADS],
         .hkv = (int)dims[D_KV_HEADS], .d = (int)dims[D_HEAD_DIM], .layers = (int)dims[D_LAYERS],
@@ -318,7 +322,7 @@ int keyserve_decode_stack(const int64_t *dims, float eps, float scale, const uin
                 float *o = attn + ((int64_t)s * c.hq + (int64_t)g * c.group) * c.d;
                 const ks_kv_view kv = {kc, vc, c.cdt, tables + (int64_t)s * max_blocks, c.block_size, c.hkv, g, c.d};
                 ks_attend(&kv, qkv + (int64_t)s * c.qkv_out + (int64_t)g * c.group * c.d, c.group, att_heads, lo,
-                          len, c.scale, logits, logits, o);
+                          len, c.scale, tree_masks ? tree_masks[s] : -1, logits, logits, o);
                 if (c.bf16)
                     for (int i = 0; i < att_heads * c.group * c.d; i++) o[i] = ks_round_bf16(o[i]);
             }

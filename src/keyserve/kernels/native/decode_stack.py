@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from keyserve.core.thread_governor import ThreadGovernor
-from keyserve.kernels import huge_pages
+from keyserve.kernels import checks, huge_pages
 from keyserve.kernels.metadata import AttentionMetadata
 from keyserve.kernels.native import amx, env_switch, f32_blocks, require_library
 from keyserve.kernels.native.gemv import MAX_ROWS, WEIGHT_DTYPES
@@ -123,7 +123,8 @@ class NativeDecodeStack:
         input_ids: torch.Tensor,  # [num_tokens]
         meta: AttentionMetadata,
     ) -> bool:
-        """True for a step this kernel runs: decode rows only, no scores, few enough rows."""
+        """True for a step this kernel runs: decode rows only, no scores, few enough rows (tree
+        verification rows included: every layer applies ``meta.decode_tree_masks``)."""
         n = input_ids.shape[0]
         return (
             meta.score_mode is None
@@ -193,6 +194,8 @@ class NativeDecodeStack:
         lens = _as(meta.decode_context_lens, torch.int32)
         if tables.shape[0] != m or lens.shape[-1] != m or (lens.dim() == 2 and lens.shape[0] != self.num_layers):
             raise ValueError("decode_block_tables/decode_context_lens do not match the step's rows")
+        # tree speculation's rows: every layer applies the row's mask (read by raw row index)
+        masks = checks.check_tree_masks(meta.decode_tree_masks, m, input_ids.device)
         out = torch.empty(m, self.hidden, dtype=self.dtype)
         _, embed, final_norm, cos_table, sin_table = self._keep
         full = torch.get_num_threads()
@@ -203,7 +206,7 @@ class NativeDecodeStack:
             embed.data_ptr(), final_norm.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(),
             m, ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), *strides, tables.data_ptr(),
             tables.shape[1], lens.data_ptr(), m if lens.dim() == 2 else 0,
-            meta.sliding_window or 0, out.data_ptr(), threads,
+            meta.sliding_window or 0, out.data_ptr(), threads, _ptr(masks),
         )
         if self.governor:
             self.governor.record(full, m, threads, time.perf_counter() - start)

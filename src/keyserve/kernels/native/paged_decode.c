@@ -10,6 +10,9 @@
  * Semantics equal keyserve/kernels/reference.py (paged_decode_attention_reference):
  *   out[s, h]  = softmax(q[s,h] . K[s, lo:len] * scale) @ V[s, lo:len]
  *   lo         = max(0, len - window) with a sliding window, else 0
+ *   tree masks = optional, per row (keyserve/kernels/metadata.py, decode_tree_masks): slot
+ *                len-1-i (i < 63) is left out unless bit i of the row's mask is set; left-out
+ *                slots weigh exactly 0 in the output and score 0
  *   scores     = per (s, kv-head, slot) attention mass summed over the group's query heads:
  *                softmax (H2O) or softmax((x + zeta) / tau) with zeta = -log(-log U) (Keyformer)
  *   U          = keyserve/kernels/noise.py's hash of (the row's noise seed and query position,
@@ -99,7 +102,7 @@ static void decode(const void *q, const void *k_cache, const void *v_cache, int 
                    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                    int window, void *out, int score_mode, const float *tau, const float *uniforms,
                    const int64_t *noise_keys, uint32_t noise_layer, float *scores, int max_ctx,
-                   int num_threads, int iodt) {
+                   int num_threads, int iodt, const int64_t *tree_masks) {
     const int group = num_heads / num_kv_heads;
     const int heads = num_seqs >= 4 * num_threads ? num_kv_heads : 1; /* kv heads per item */
     const int per_seq = num_kv_heads / heads;
@@ -138,10 +141,15 @@ static void decode(const void *q, const void *k_cache, const void *v_cache, int 
                 qs = qf;
                 o = of;
             }
-            ks_attend(&kv, qs, group, heads, lo, len, scale, logits, probs, o);
+            const int attended = ks_attend(&kv, qs, group, heads, lo, len, scale, tree_masks ? tree_masks[s] : -1,
+                                           logits, probs, o);
             if (iodt == KS_BF16)
                 for (int64_t e = 0; e < (int64_t)hq * head_dim; e++) ((uint16_t *)out)[first + e] = ks_f32_to_bf16(of[e]);
             if (score_mode == 0) continue;
+            if (!attended) { /* a tree mask hid every slot: no mass anywhere */
+                memset(scores + ((int64_t)s * num_kv_heads + kh0) * max_ctx, 0, sizeof(float) * (size_t)heads * max_ctx);
+                continue;
+            }
             for (int h = 0; h < heads; h++)
                 group_scores(logits + (int64_t)h * group * n, probs + (int64_t)h * group * n, group, n,
                              lo, s, kh0 + h, num_heads, score_mode, tau, uniforms, noise_keys,
@@ -157,7 +165,8 @@ static void decode(const void *q, const void *k_cache, const void *v_cache, int 
 
 /* Entry point (ctypes). cache_dtype and io_dtype (q and out): 0 = float32, 1 = bfloat16. score_mode: 0 none,
  * 1 softmax, 2 gumbel. uniforms may be NULL (then U is the noise hash of noise_keys [num_seqs,
- * 2] = (seed, query position) and noise_layer + head). scores may be NULL when score_mode == 0. */
+ * 2] = (seed, query position) and noise_layer + head). scores may be NULL when score_mode == 0.
+ * tree_masks: [num_seqs] int64 decode tree masks, or NULL for none. */
 void keyserve_paged_decode(const void *q, const void *k_cache, const void *v_cache,
                            int cache_dtype, const int32_t *tables, int max_blocks,
                            const int32_t *lens, int num_seqs, int num_heads, int num_kv_heads,
@@ -165,7 +174,7 @@ void keyserve_paged_decode(const void *q, const void *k_cache, const void *v_cac
                            int score_mode, const float *tau, const float *uniforms,
                            const int64_t *noise_keys, uint32_t noise_layer, float *scores,
                            int max_ctx, int num_threads,
-                           int parallel_min_rows, int io_dtype) {
+                           int parallel_min_rows, int io_dtype, const int64_t *tree_masks) {
     if (max_ctx < 0) { /* not given (no score output): the longest context sizes the buffers */
         max_ctx = 0;
         for (int s = 0; s < num_seqs; s++) max_ctx = lens[s] > max_ctx ? lens[s] : max_ctx;
@@ -174,7 +183,8 @@ void keyserve_paged_decode(const void *q, const void *k_cache, const void *v_cac
     if (num_threads < 1) num_threads = 1;
     decode(q, k_cache, v_cache, cache_dtype == 1 ? KS_BF16 : KS_F32, tables, max_blocks, lens,
            num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window, out, score_mode,
-           tau, uniforms, noise_keys, noise_layer, scores, max_ctx, num_threads, io_dtype == 1 ? KS_BF16 : KS_F32);
+           tau, uniforms, noise_keys, noise_layer, scores, max_ctx, num_threads, io_dtype == 1 ? KS_BF16 : KS_F32,
+           tree_masks);
 }
 
 /* Keyformer's Gumbel noise zeta = -log(-log U) for one sequence's chunk of queries (the CPU
