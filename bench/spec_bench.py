@@ -93,11 +93,17 @@ class Row:
     target_forwards: int = 0
     adaptive: bool = False  # keyserve with adaptive K, k the cap
     repeat: int = 0  # which interleaved round
+    tree: str = ""  # keyserve verifying a tree of drafts of this shape (speculative_tree; k = 0)
 
     @property
     def contender(self) -> tuple:
         """What the row measures, whatever the round."""
-        return (self.engine, self.adaptive, self.batch, self.temperature, self.k)
+        return (self.engine, self.adaptive, self.batch, self.temperature, self.k, self.tree)
+
+    @property
+    def plain(self) -> bool:
+        """No speculation: the row every speed-up is measured against."""
+        return self.k == 0 and not self.tree
 
     @property
     def tok_s(self) -> float:
@@ -114,18 +120,18 @@ class Row:
 
 # ------------------------------------------------------------------------ keyserve
 def keyserve_run(llm, batch: int, temperature: float, k: int, prompts: list[str], max_tokens: int,
-                 adaptive: bool = False) -> Row:
+                 adaptive: bool = False, tree: str = "") -> Row:
     from keyserve import SamplingParams
 
     def params(i: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=i,
-                              speculative=k > 0, num_speculative_tokens=k or None)
+                              speculative=k > 0 or bool(tree), num_speculative_tokens=k or None)
 
     ray = hasattr(llm.engine, "core_client")  # RayEngine: built without prefix caching instead
     if not ray:
         llm.engine.block_manager.reset_prefix_cache()
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-    row = Row("ray" if ray else "keyserve", batch, temperature, k, 0, 0.0, adaptive=adaptive)
+    row = Row("ray" if ray else "keyserve", batch, temperature, k, 0, 0.0, adaptive=adaptive, tree=tree)
     for group in groups:
         t = time.perf_counter()
         outs = llm.generate(group, [params(i) for i in range(len(group))], chat=True)
@@ -164,6 +170,25 @@ def adaptive_k(llm, on: bool):  # noqa: ANN001, ANN201
         yield
     finally:
         policy.config = before
+
+
+@contextlib.contextmanager
+def tree_shape(llm, shape: str):  # noqa: ANN001, ANN201
+    """The engine verifying trees of this shape for one run (``speculative_tree``), chains
+    otherwise: one engine for every keyserve row, as for ``adaptive_k``."""
+    from keyserve.core.spec_tree import TreeShape
+
+    policy = llm.engine.speculative
+    if not shape or policy is None:
+        yield
+        return
+    before = policy.config, policy.tree
+    policy.config = before[0].model_copy(update={"speculative_tree": shape})
+    policy.tree = TreeShape.parse(shape)
+    try:
+        yield
+    finally:
+        policy.config, policy.tree = before
 
 
 # -------------------------------------------------------------------- transformers
@@ -445,6 +470,8 @@ class Measured:
     @property
     def label(self) -> str:
         r = self.first
+        if r.tree:
+            return "tree " + r.tree
         return "adaptive ≤ " + str(r.k) if r.adaptive else str(r.k or "off")
 
 
@@ -465,16 +492,17 @@ def render(rows: list[Row], meta: dict) -> str:
     agg = aggregate(rows)
     ours = [m for m in agg.values() if m.first.engine == "keyserve"]
     theirs = {(m.first.temperature, m.first.k): m for m in agg.values() if m.first.engine == "transformers"}
-    base = {(m.first.batch, m.first.temperature): m.median for m in ours if m.first.k == 0}
+    base = {(m.first.batch, m.first.temperature): m.median for m in ours if m.first.plain}
     ray_rows = [m for m in agg.values() if m.first.engine == "ray"]
-    ray_base = {(m.first.batch, m.first.temperature): m.median for m in ray_rows if m.first.k == 0}
+    ray_base = {(m.first.batch, m.first.temperature): m.median for m in ray_rows if m.first.plain}
     table = []
     engines = ("keyserve", "ray", "transformers")
-    order = lambda m: (m.first.batch, m.first.temperature, engines.index(m.first.engine), m.first.adaptive, m.first.k)  # noqa: E731
+    order = lambda m: (m.first.batch, m.first.temperature, engines.index(m.first.engine), m.first.adaptive,  # noqa: E731
+                       m.first.k, m.first.tree)
     for m in sorted(agg.values(), key=order):
         r = m.first
         b = (ray_base if r.engine == "ray" else base).get((r.batch, r.temperature))
-        hf = theirs.get((r.temperature, r.k)) if r.batch == 1 and r.k and not r.adaptive else None
+        hf = theirs.get((r.temperature, r.k)) if r.batch == 1 and r.k and not r.adaptive and not r.tree else None
         table.append([
             r.engine + (" adaptive" if r.adaptive else ""), r.batch, r.temperature, m.label, m.tokens,
             f"{m.median:.1f}", m.spread,
@@ -483,7 +511,7 @@ def render(rows: list[Row], meta: dict) -> str:
             f"{m.median / b:.2f}×" if b else "–",
             f"{m.median / hf.median:.2f}×" if hf and r.engine == "keyserve" else "–",
         ])
-    best = _fastest([m for m in ours if m.first.k and not m.first.adaptive], lambda r: (r.batch, r.temperature))
+    best = _fastest([m for m in ours if not m.first.plain and not m.first.adaptive], lambda r: (r.batch, r.temperature))
     adaptive = {(m.first.batch, m.first.temperature): m for m in ours if m.first.adaptive}
     hf_best = _fastest([m for m in theirs.values() if m.first.k], lambda r: r.temperature)
     summary, verdicts = [], []
@@ -491,7 +519,8 @@ def render(rows: list[Row], meta: dict) -> str:
         plain, ad = base[(batch, temp)], adaptive.get((batch, temp))
         hf, hf_plain = (hf_best.get(temp), theirs.get((temp, 0))) if batch == 1 else (None, None)
         summary.append([
-            batch, temp, f"{plain:.1f}", f"K={m.first.k}: {m.median:.1f}", f"{m.median / plain:.2f}×",
+            batch, temp, f"{plain:.1f}", f"{m.label if m.first.tree else 'K=' + str(m.first.k)}: {m.median:.1f}",
+            f"{m.median / plain:.2f}×",
             f"{ad.median:.1f} ({ad.median / plain:.2f}×)" if ad else "–",
             f"{hf_plain.median:.1f}" if hf_plain else "–",
             f"K={hf.first.k}: {hf.median:.1f}" if hf else "–",
@@ -507,7 +536,7 @@ def render(rows: list[Row], meta: dict) -> str:
             verdicts.append(f"adaptive K never slower than plain, batch {batch}, T = {temp}: "
                             f"**{'met' if ad.median >= plain else 'NOT met'}** ({ad.median / plain:.2f}×, "
                             f"rounds {ad.spread} tok/s against plain "
-                            f"{agg[('keyserve', False, batch, temp, 0)].spread})")
+                            f"{agg[('keyserve', False, batch, temp, 0, '')].spread})")
     for temp in sorted({m.first.temperature for m in ray_rows}):
         plain = ray_base.get((1, temp))
         spec = [m for m in ray_rows if m.first.k and m.first.batch == 1 and m.first.temperature == temp]
@@ -519,7 +548,7 @@ def render(rows: list[Row], meta: dict) -> str:
                                if target else " against its own plain decoding")
                             + f" ({top.median / plain:.2f}×, {top.label}: {top.median:.1f} against {plain:.1f} tok/s)")
     same_k = [ks.median / hf.median for ks in ours for hf in [theirs.get((ks.first.temperature, ks.first.k))]
-              if hf and ks.first.batch == 1 and ks.first.k and not ks.first.adaptive]
+              if hf and ks.first.batch == 1 and ks.first.k and not ks.first.adaptive and not ks.first.tree]
     plain_ratio = [base[(1, t)] / hf.median for (t, k), hf in theirs.items() if k == 0 and (1, t) in base]
     versus = "" if not same_k else (
         f"Against transformers' assisted generation with the same draft at the same K (batch 1), keyserve's "
@@ -584,7 +613,7 @@ def plot(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     agg = [m for m in aggregate(rows).values() if not m.first.adaptive]  # medians over rounds
-    base = {(m.first.engine, m.first.batch, m.first.temperature): m.median for m in agg if m.first.k == 0}
+    base = {(m.first.engine, m.first.batch, m.first.temperature): m.median for m in agg if m.first.plain}
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in sorted(base):
         pts = sorted((m for m in agg if (m.first.engine, m.first.batch, m.first.temperature) == key and m.first.k),
@@ -594,8 +623,17 @@ def plot(rows: list[Row], path: Path) -> None:
         ax.plot([m.first.k for m in pts], [m.median / base[key] for m in pts], marker="o",
                 linestyle="-" if key[0] == "keyserve" else "--",
                 label=f"{key[0]} batch {key[1]} T={key[2]}")
+    from keyserve.core.spec_tree import TreeShape
+
+    for m in agg:  # trees: one point each, at their node count
+        r = m.first
+        b = base.get((r.engine, r.batch, r.temperature))
+        if r.tree and b:
+            x = TreeShape.parse(r.tree).num_nodes
+            ax.scatter([x], [m.median / b], marker="*", s=90, zorder=3,
+                       label=f"{r.engine} tree {r.tree} batch {r.batch} T={r.temperature}")
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("K (draft tokens per step)")
+    ax.set_xlabel("K (draft tokens per step; a tree at its node count)")
     ax.set_ylabel("speed-up over the same engine without a draft")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -611,6 +649,8 @@ def _load_avg() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
+    ap.add_argument("--trees", nargs="*", default=[],
+                    help="tree shapes to verify as well (speculative_tree, e.g. 2x1 3x2), keyserve in process")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     ap.add_argument("--num-prompts", type=int, default=16,
@@ -714,26 +754,28 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
     target_params = sum(p.numel() for p in hf.parameters())
 
     rays = ray_engines(args) if args.ray else {}
-    # (engine, adaptive, batch, temperature, K): K is the cap for adaptive rows.
-    configs = [("keyserve", False, b, t, k) for t in args.temperatures for b in args.batches for k in [0, *args.ks]]
+    # (engine, adaptive, batch, temperature, K, tree): K is the cap for adaptive rows.
+    configs = [("keyserve", False, b, t, k, "") for t in args.temperatures for b in args.batches for k in [0, *args.ks]]
+    configs += [("keyserve", False, b, t, 0, tree) for t in args.temperatures for b in args.batches
+                for tree in args.trees]
     if rays:  # batch 1 (the target's), plain on its own engine, fixed and adaptive K on the draft's
-        configs += [("ray", False, 1, t, k) for t in args.ray_temperatures for k in [0, *args.ks]]
-        configs += [("ray", True, 1, t, max(args.ks)) for t in args.ray_temperatures]
+        configs += [("ray", False, 1, t, k, "") for t in args.ray_temperatures for k in [0, *args.ks]]
+        configs += [("ray", True, 1, t, max(args.ks), "") for t in args.ray_temperatures]
     if not args.skip_adaptive:
-        configs += [("keyserve", True, b, t, max(args.ks)) for t in args.temperatures for b in args.batches]
+        configs += [("keyserve", True, b, t, max(args.ks), "") for t in args.temperatures for b in args.batches]
     if not args.skip_hf:
-        configs += [("transformers", False, 1, t, k) for t in args.temperatures for k in [0, *args.ks]]
+        configs += [("transformers", False, 1, t, k, "") for t in args.temperatures for k in [0, *args.ks]]
     # Interleave engines so slow drift of the machine's load hits every contender alike.
-    configs.sort(key=lambda c: (c[3], c[4], c[2], c[0], c[1]))
+    configs.sort(key=lambda c: (c[3], c[4], c[5], c[2], c[0], c[1]))
 
     def run(config: tuple, num_prompts: int, max_tokens: int) -> Row:
-        engine, adaptive, batch, temp, k = config
+        engine, adaptive, batch, temp, k, tree = config
         n = -(-max(num_prompts, batch) // batch) * batch
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
         with torch.inference_mode():
             if engine == "keyserve":
-                with adaptive_k(llm, adaptive):
-                    return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive)
+                with adaptive_k(llm, adaptive), tree_shape(llm, tree):
+                    return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive, tree)
             if engine == "ray":
                 ray_llm = rays["draft" if k else "plain"]
                 try:
@@ -755,7 +797,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
             r.repeat = rnd
             rows.append(r)
             tqdm.write(f"{r.engine:12s}{' adaptive' if r.adaptive else ''} batch {r.batch} T={r.temperature} "
-                       f"K={r.k}: {r.tok_s:6.1f} tok/s acceptance {r.acceptance if r.acceptance is not None else '-'}")
+                       f"K={r.k}{' tree ' + r.tree if r.tree else ''}: {r.tok_s:6.1f} tok/s acceptance {r.acceptance if r.acceptance is not None else '-'}")
     for ray_llm in rays.values():
         ray_llm.shutdown()
     meta = dict(num_prompts=args.num_prompts, max_tokens=args.max_tokens, repeats=args.rounds,

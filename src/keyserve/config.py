@@ -165,6 +165,28 @@ class SpeculativeConfig(_Strict):
     draft_recent_ratio: float = Field(
         0.3, ge=0.0, le=1.0, description="Share of the draft's KV budget kept for the most recent tokens."
     )
+    speculative_tree: str | None = Field(
+        None, description="Verify a tree of drafts instead of a chain: children per node at each depth, "
+        "e.g. '3x2' (the draft's 3 likeliest tokens, then its 2 likeliest after each; 9 drafts, up to "
+        "3 tokens a step). Output stays the target's. Not with adaptive_k, a draft KV policy, or "
+        "tensor parallelism (those sequences verify chains).",
+    )
+
+    @field_validator("speculative_tree")
+    @classmethod
+    def _tree_shape(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from keyserve.core.spec_tree import TreeShape
+
+        TreeShape.parse(value)  # a ValueError names what is wrong
+        return value
+
+    @model_validator(mode="after")
+    def _tree_alone(self) -> "SpeculativeConfig":
+        if self.speculative_tree is not None and self.adaptive_k:
+            raise ValueError("speculative_tree does not combine with adaptive_k yet: pick one")
+        return self
 
 
 class ParallelConfig(_Strict):

@@ -23,6 +23,7 @@ import torch
 
 from keyserve.core.sampler import row_argmax
 from keyserve.engine.model_runner import ModelInputs, ModelRunner, pad_tables
+from keyserve.kernels.metadata import AttentionMetadata
 
 
 def greedy_tokens(
@@ -42,6 +43,55 @@ def greedy_tokens(
     index = torch.tensor(rows, dtype=torch.int64, device=inputs.input_ids.device)
     hidden, _ = model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, index)
     return head_ids[row_argmax(model.compute_head_logits(hidden))]  # type: ignore[operator]
+
+
+def top_tokens(
+    runner: ModelRunner,
+    inputs: ModelInputs,
+    rows: list[int],  # the token rows whose likeliest next tokens are wanted
+    k: int,
+) -> torch.Tensor:  # [len(rows), k] int64 token ids, likeliest first
+    """One forward; the ``k`` likeliest next tokens of each of ``rows`` (a tree's children).
+    A pruned head is ranked over its own tokens (``greedy_tokens``); with k = 1 this is that
+    function's argmax."""
+    if k == 1:
+        return greedy_tokens(runner, inputs, rows)[:, None]
+    model = runner.model
+    head_ids: torch.Tensor | None = getattr(model, "head_token_ids", None)
+    if runner.graphs is not None or head_ids is None:
+        logits, _ = runner.forward_logits(inputs, rows)
+        assert logits is not None
+        return torch.topk(logits, k, dim=-1).indices
+    index = torch.tensor(rows, dtype=torch.int64, device=inputs.input_ids.device)
+    hidden, _ = model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, index)
+    return head_ids[torch.topk(model.compute_head_logits(hidden), k, dim=-1).indices]  # type: ignore[index]
+
+
+def tree_level_inputs(
+    tokens: list[int],  # each row's node token
+    positions: list[int],  # each row's position (its root's + its depth)
+    slots: list[int],  # each row's physical KV slot
+    tables: list[list[int]],  # each row's block table (its sequence's)
+    context_lens: list[int],  # each row's context length (its slot's logical index + 1)
+    masks: list[int],  # each row's tree mask (AttentionMetadata.decode_tree_masks)
+    sliding_window: int | None,
+    device: torch.device,
+) -> ModelInputs:
+    """One forward over one depth of draft trees: every row a decode row that sees its
+    sequence's prefix, its ancestors and itself."""
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        num_decode_seqs=len(tokens),
+        decode_block_tables=pad_tables(tables, device),
+        decode_context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        prefill_block_tables=torch.zeros(0, 1, dtype=torch.int32, device=device),
+        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
+        prefill_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
+        sliding_window=sliding_window,
+        decode_tree_masks=torch.tensor(masks, dtype=torch.int64, device=device),
+    )
+    return ModelInputs(torch.tensor(tokens, dtype=torch.int64, device=device),
+                       torch.tensor(positions, dtype=torch.int64, device=device), meta, {})
 
 
 def next_decode_inputs(

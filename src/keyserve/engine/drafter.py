@@ -39,7 +39,8 @@ from keyserve.core.kv_policy import KVBudget
 from keyserve.core.sampler import SamplingTensors, exponential_noise, make_generator, processed_probs, row_argmax
 from keyserve.core.sequence import Sequence
 from keyserve.engine.kv_budget.resolve import resolve_budget
-from keyserve.engine.draft_chain import greedy_tokens, next_decode_inputs
+from keyserve.engine.draft_chain import greedy_tokens, next_decode_inputs, top_tokens, tree_level_inputs
+from keyserve.core.spec_tree import node_depths, tree_masks
 from keyserve.engine.model_runner import ModelInputs, ModelRunner
 from keyserve.engine.step_input import CompactOp, SeqInfo, SettleOp, StepInput, StepItem
 
@@ -55,6 +56,9 @@ class Proposal:
     # every sequence is greedy (verification then compares argmaxes and never reads p)
     probs: torch.Tensor | None
     num_draft: torch.Tensor  # [num_seqs] int64: drafts actually proposed per sequence
+    # [num_seqs, max_k + 1] int64 tree parents (core/spec_tree.py; column 0 the root's, -1), or
+    # None: chains
+    parents: torch.Tensor | None = None
 
 
 @dataclass
@@ -262,6 +266,92 @@ class Drafter:
             _put(out, [i], alone)
         return out
 
+    @property
+    def supports_trees(self) -> bool:
+        """Trees of drafts need a mirror that keeps every token (no draft KV budget)."""
+        return self.budget.policy == "full"
+
+    @torch.inference_mode()
+    def propose_tree(self, targets: list[Sequence], trees: list[list[int]]) -> Proposal:
+        """A tree of drafts for each target sequence (``trees[i]``: its parents in preorder,
+        ``core/spec_tree.py``): the draft's likeliest tokens under each node, one draft forward
+        per depth for the whole batch. A sequence whose mirror has no room gets no drafts.
+        If the batch raises, no sequence gets drafts this step (their mirrors are re-synced
+        from scratch): drafts never change what the target emits."""
+        try:
+            return self._propose_tree(targets, trees)
+        except Exception:  # noqa: BLE001 — see the docstring
+            log.warning("tree drafting failed; this step is verified without drafts", exc_info=True)
+            for target in targets:
+                self.release(target)
+            n_max = max((len(p) - 1 for p in trees), default=0)
+            return Proposal(torch.zeros(len(targets), n_max, dtype=torch.int64), None,
+                            torch.zeros(len(targets), dtype=torch.int64),
+                            torch.full((len(targets), n_max + 1), -1, dtype=torch.int64))
+
+    def _propose_tree(self, targets: list[Sequence], trees: list[list[int]]) -> Proposal:
+        b = len(targets)
+        n_max = max((len(p) - 1 for p in trees), default=0)
+        tokens = torch.zeros(b, n_max, dtype=torch.int64)
+        parents = torch.full((b, n_max + 1), -1, dtype=torch.int64)
+        proposed = torch.zeros(b, dtype=torch.int64)
+        runner, block = self.runner, self.runner.block_size
+        mirrors = [self._sync(t) for t in targets]
+        # The catch-up forward: each mirror's new tokens, the last one the tree's root; room
+        # reserved for them and for the nodes' slots after the root (a node's KV sits at its
+        # preorder offset), or no drafts for that sequence.
+        rows = []
+        for i, m in enumerate(mirrors):
+            n = m.num_tokens - m.num_computed_tokens
+            if len(trees[i]) > 1 and n >= 1 and self._reserve(m, n + len(trees[i]) - 1):
+                rows.append((i, n))
+        rows.sort(key=lambda r: r[1] != 1)  # one-token decodes first, like the target's
+        if not rows:
+            return Proposal(tokens, None, proposed, parents)
+        batch = [i for i, _ in rows]
+        step_input = self._step_input([(mirrors[i], targets[i], n) for i, n in rows],
+                                      sum(1 for _, n in rows if n == 1), 0)
+        inputs = runner.prepare(step_input)
+        assert inputs is not None
+        children = [_children(trees[i]) for i in range(b)]
+        widest = max(len(children[i][0]) for i in batch)
+        top = top_tokens(runner, inputs, [inputs.last_token_index[mirrors[i].seq_id] for i in batch], widest).tolist()
+        for i, ranked in zip(batch, top):
+            mirrors[i].num_computed_tokens = mirrors[i].num_tokens
+            for rank, node in enumerate(children[i][0]):
+                tokens[i, node - 1] = ranked[rank]
+        depths = {i: node_depths(trees[i]) for i in batch}
+        masks = {i: tree_masks(trees[i]) for i in batch}
+        level = 1
+        while True:  # one forward per depth: the nodes that have children
+            nodes = [(i, j) for i in batch for j in range(1, len(trees[i]))
+                     if depths[i][j] == level and children[i][j]]
+            if not nodes:
+                break
+            level_tokens, positions, slots, tables, lens, row_masks = [], [], [], [], [], []
+            for i, j in nodes:
+                m = mirrors[i]
+                root = m.num_tokens - 1  # the root's position and logical slot
+                slot = root + j
+                level_tokens.append(int(tokens[i, j - 1]))
+                positions.append(root + level)
+                slots.append(m.block_table[slot // block] * block + slot % block)
+                tables.append(m.block_table)
+                lens.append(slot + 1)
+                row_masks.append(masks[i][j])
+            widest = max(len(children[i][j]) for i, j in nodes)
+            level_inputs = tree_level_inputs(level_tokens, positions, slots, tables, lens, row_masks,
+                                             runner.sliding_window, runner.device)
+            top = top_tokens(runner, level_inputs, list(range(len(nodes))), widest).tolist()
+            for (i, j), ranked in zip(nodes, top):
+                for rank, child in enumerate(children[i][j]):
+                    tokens[i, child - 1] = ranked[rank]
+            level += 1
+        for i in batch:
+            parents[i, : len(trees[i])] = torch.tensor(trees[i], dtype=torch.int64)
+            proposed[i] = len(trees[i]) - 1
+        return Proposal(tokens, None, proposed, parents)
+
     def _empty(self, num_seqs: int, k_max: int) -> Proposal:
         return Proposal(torch.zeros(num_seqs, k_max, dtype=torch.int64),
                         torch.zeros(num_seqs, k_max, self.vocab_size, dtype=torch.float32),
@@ -353,6 +443,14 @@ class _Chain:
     batch: list[int]  # the proposal's rows, in the forward's order
     tables: list[int]  # each row's block-table length then
     drawn: torch.Tensor  # [len(batch)] int64 what it drew: the next forward's input tokens
+
+
+def _children(parents: list[int]) -> list[list[int]]:
+    """Each row's children in preorder (the draft's likeliest first), row 0 the root's."""
+    out: list[list[int]] = [[] for _ in parents]
+    for j, p in enumerate(parents[1:], start=1):
+        out[p].append(j)
+    return out
 
 
 def _put(out: Proposal, rows: list[int], part: Proposal) -> None:

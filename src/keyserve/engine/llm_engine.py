@@ -407,6 +407,15 @@ class LLMEngine:
         verify = [it for it in step.items if it.num_lookahead]
         if not verify:
             return None
+        trees = self.speculative.trees if self.speculative is not None else {}
+        tree_items = [it for it in verify if it.seq_id in trees] if trees else []
+        if tree_items:  # trees of drafts (core/spec_tree.py); any others verify chains
+            verify = [it for it in verify if it.seq_id not in trees]
+            tree_targets = [self._seqs[it.seq_id] for it in tree_items]
+            proposal = self.drafter.propose_tree(tree_targets, [list(trees[it.seq_id]) for it in tree_items])
+            attach_drafts(tree_items, proposal.token_ids, proposal.num_draft, proposal.parents)
+            if not verify:
+                return None
         targets = [self._seqs[it.seq_id] for it in verify]
         try:
             proposal = self.drafter.propose(targets, [it.num_lookahead for it in verify])

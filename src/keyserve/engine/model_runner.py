@@ -24,6 +24,7 @@ from keyserve.core.block_manager import BlockCopy
 from keyserve.core.generator_marks import GeneratorMarks
 from keyserve.core.sampler import SamplingTensors, make_generator, sample, top_logprobs
 from keyserve.core.spec_decode import verify_drafts
+from keyserve.core.spec_tree import item_masks, kv_moves, node_depths, verify_tree
 from keyserve.engine.cuda_graphs import DecodeGraphs
 from keyserve.engine.kv_budget.compaction import apply_compact, apply_settle
 from keyserve.engine.kv_budget.pooling import pool_over_layer
@@ -66,6 +67,15 @@ def pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     """[len(tables), longest] int32 block tables, zero-padded: one tensor built in one call."""
     width = max((len(t) for t in tables), default=0) or 1
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(-1, width).to(device)
+
+
+def _tree_masks(num_rows: int, trees: list[tuple[int, list[int]]], device: torch.device) -> torch.Tensor:
+    """[num_rows] int64 decode-row masks (``AttentionMetadata.decode_tree_masks``): -1 (every
+    slot visible) but in the rows of tree items."""
+    masks = [-1] * num_rows
+    for first, rows in trees:
+        masks[first : first + len(rows)] = rows
+    return torch.tensor(masks, dtype=torch.int64, device=device)
 
 
 def _slots(table: list[int], start: int, n: int, block_size: int) -> list[int]:
@@ -165,6 +175,7 @@ class ModelRunner:
         # [L, n] from the planner (budgets). Plain steps stay in Python ints until one tensor.
         slots: list[list[int] | torch.Tensor] = []
         last_index: dict[int, int] = {}
+        tree_rows: list[tuple[int, list[int]]] = []  # (first decode row, its rows' masks) per tree
         for index, item in enumerate(step.items[:n_dec] + verify + chunks):
             start = item.start
             if index < n_dec and item.budget is None:  # a plain decode row (most rows)
@@ -180,6 +191,8 @@ class ModelRunner:
             rows = dec if index < n_dec or verifies else pre
             if item.budget is None:
                 if verifies:  # n decode rows, each attending up to its own position
+                    if item.draft_parents:  # a tree: each node sees the prefix and its ancestors
+                        tree_rows.append((len(dec), item_masks(item.num_new_tokens, item.draft_parents)))
                     for i in range(n):
                         dec.add(item.block_table, start + i + 1, 1)
                 else:
@@ -196,7 +209,12 @@ class ModelRunner:
             last_index[item.seq_id] = len(ids) + n - 1
             ids.extend(item.token_ids)
             ids.extend(item.draft_token_ids)
-            positions.extend(range(start, start + n))
+            if item.draft_parents and item.budget is None:  # a node's position is its depth's
+                root = start + item.num_new_tokens - 1
+                positions.extend(range(start, root + 1))
+                positions.extend(root + d for d in node_depths(item.draft_parents))
+            else:
+                positions.extend(range(start, start + n))
         if not ids:  # every sequence failed
             return None
         if any(isinstance(s, torch.Tensor) for s in slots):  # some item is budgeted
@@ -219,6 +237,8 @@ class ModelRunner:
             sliding_window=self.sliding_window,
             **planner.score_args(dec, pre, dev),  # type: ignore[arg-type]
         )
+        if tree_rows:
+            meta.decode_tree_masks = _tree_masks(len(dec), tree_rows, dev)
         if not pre.tables:
             meta.prefill_block_tables = meta.prefill_block_tables[:0]
         if not dec.tables:
@@ -413,13 +433,92 @@ class ModelRunner:
         draft_probs: torch.Tensor | None,  # [num_drafted, max_draft, vocab]; None if all greedy
         out: StepOutput,
     ) -> None:
-        """Rejection sampling of every verifying sequence at once; per sequence on the error
-        path, like ``_sample``."""
-        try:
-            self._verify_rows(items, logits, first_rows, draft_probs, out)
-        except Exception as e:  # noqa: BLE001
-            self._per_row("speculative verification", e, [it.seq_id for it in items],
-                          lambda i: self._verify_rows(items[i : i + 1], logits, first_rows, draft_probs, out), out)
+        """Rejection sampling of every verifying sequence at once (chains), a walk down every
+        tree at once (trees: ``core/spec_tree.py``); per sequence on the error path, like
+        ``_sample``."""
+        trees = [it for it in items if it.draft_parents]
+        chains = [it for it in items if not it.draft_parents] if trees else items
+        for group, verify_rows in ((chains, self._verify_rows), (trees, self._verify_tree_rows)):
+            if not group:
+                continue
+            try:
+                verify_rows(group, logits, first_rows, draft_probs, out)
+            except Exception as e:  # noqa: BLE001
+                self._per_row("speculative verification", e, [it.seq_id for it in group],
+                              lambda i: verify_rows(group[i : i + 1], logits, first_rows, draft_probs, out), out)
+
+    def _verify_tree_rows(
+        self,
+        items: list[StepItem],
+        logits: torch.Tensor,  # [num_rows, vocab]
+        first_rows: dict[int, int],  # seq_id -> first row in ``logits``
+        draft_probs: torch.Tensor | None,  # unused: a tree's candidates are the draft's top tokens
+        out: StepOutput,
+    ) -> None:
+        """Verify every tree at once on the logits' device (``spec_tree.verify_tree``), then
+        move each accepted path's KV to the slots right after its root, where the next step
+        expects its tokens."""
+        if self.model.tp.size > 1:  # only the driver verifies: the other ranks could not move the KV
+            raise RuntimeError("tree speculation needs a tensor-parallel size of 1")
+        dev = logits.device
+        counts = [len(it.draft_token_ids) for it in items]
+        width = max(counts) + 1
+        roots = torch.tensor([first_rows[it.seq_id] + it.num_new_tokens - 1 for it in items], dtype=torch.int64)
+        num_nodes = torch.tensor(counts, dtype=torch.int64)
+        # row j of a tree: its root's row + j (padding repeats the last node: never reached)
+        index = roots[:, None] + torch.minimum(torch.arange(width)[None, :], num_nodes[:, None])
+        tree_logits = logits.index_select(0, index.view(-1).to(dev)).view(len(items), width, -1)
+        pad = width - 1
+        node_tokens = torch.tensor([it.draft_token_ids + [0] * (pad - n) for it, n in zip(items, counts)],
+                                   dtype=torch.int64)
+        parents = torch.tensor([[-1] + it.draft_parents + [-1] * (pad - n) for it, n in zip(items, counts)],
+                               dtype=torch.int64)
+        params = [self.seq_infos[it.seq_id].params for it in items]
+        st = SamplingTensors.from_params(params, device=dev)
+        want_logprobs = any(p.logprobs for p in params)
+        result = verify_tree(tree_logits, node_tokens.to(dev), parents.to(dev), num_nodes.to(dev), st,
+                             [self.generators.get(it.seq_id) for it in items], want_logprobs)
+        tokens = result.output_token_ids.tolist()
+        accepted = result.num_accepted.tolist()
+        paths = result.accepted_nodes.tolist()
+        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
+        moves: list[tuple[int, int]] = []  # physical (source, destination) slots
+        for row, item in enumerate(items):
+            a = accepted[row]
+            out.tokens[item.seq_id] = tokens[row][: a + 1]
+            if logprobs is not None and params[row].logprobs:
+                out.logprobs[item.seq_id] = logprobs[row][: a + 1]
+            out.num_accepted[item.seq_id] = a
+            root = item.start + item.num_new_tokens - 1
+            moves += [(self._slot(item, root + src), self._slot(item, root + dst))
+                      for src, dst in kv_moves(paths[row][:a])]
+        if any(p.top_logprobs for p in params):  # the rows that emitted: the root, then the path
+            rows = [r * width + j for r, a in enumerate(accepted) for j in [0] + paths[r][:a]]
+            wanted = [p.top_logprobs for p, a in zip(params, accepted) for _ in range(a + 1)]
+            tops = top_logprobs(tree_logits.reshape(len(items) * width, -1)[torch.tensor(rows, device=dev)], wanted)
+            at = 0
+            for row, item in enumerate(items):
+                if params[row].top_logprobs:
+                    out.top_logprobs[item.seq_id] = tops[at : at + accepted[row] + 1]
+                at += accepted[row] + 1
+        self._move_slots(moves)
+
+    def _slot(self, item: StepItem, position: int) -> int:
+        """Physical slot of a position of an unbudgeted item (position p in slot p)."""
+        block = self.block_size
+        return item.block_table[position // block] * block + position % block
+
+    def _move_slots(self, moves: list[tuple[int, int]]) -> None:
+        """Copy the K/V of each source slot to its destination slot in every layer (all
+        sources read before any destination is written)."""
+        if not moves:
+            return
+        src = torch.tensor([m[0] for m in moves], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([m[1] for m in moves], dtype=torch.int64, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            for cache in (k_cache, v_cache):
+                flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, kv_heads, head_dim]
+                flat.index_copy_(0, dst, flat.index_select(0, src))
 
     def _verify_rows(
         self,

@@ -25,6 +25,7 @@ from keyserve.config import SpeculativeConfig
 from keyserve.core.adaptive_k import AdaptiveK
 from keyserve.core.sequence import Sequence
 from keyserve.core.spec_decode import AcceptanceStats
+from keyserve.core.spec_tree import TreeShape
 from keyserve.core.step_cost import StepCostModel
 from keyserve.engine.drafter import Drafter
 
@@ -57,6 +58,11 @@ class SpeculativeDecoder:
         # This step's cost says nothing steady about K: a sequence drafts after not drafting
         # (the draft catches up on its prompt or on what it missed) or probes.
         self._unsettled = False
+        # Tree speculation (config.speculative_tree): the shape, and this step's sequences that
+        # verify a tree (seq_id -> its parents in preorder, core/spec_tree.py).
+        self.tree = TreeShape.parse(config.speculative_tree) if config.speculative_tree else None
+        self.trees: dict[int, list[int]] = {}
+        self.tree_capable = bool(getattr(drafter, "supports_trees", False))
 
     def enabled_for(self, seq: Sequence) -> bool:
         want = seq.params.speculative
@@ -72,6 +78,10 @@ class SpeculativeDecoder:
         ``prior_alpha()``, read once for all its sequences (default: read now)."""
         if not self.enabled_for(seq):
             return 0
+        tree = self._tree_for(seq, max_model_len)
+        if tree is not None:
+            self.trees[seq.seq_id] = tree
+            return len(tree) - 1
         k = seq.params.num_speculative_tokens or self.config.num_speculative_tokens
         if self.config.adaptive_k:
             adaptive = self._adaptive.get(seq.seq_id)
@@ -92,6 +102,18 @@ class SpeculativeDecoder:
         )
         return max(0, min(k, room - 1))
 
+    def _tree_for(self, seq: Sequence, max_model_len: int) -> list[int] | None:
+        """The tree a sequence verifies next step (its parents), or None for a chain: trees
+        need a drafter that builds them, a sequence without a KV budget, room for the tree's
+        depth + 1 tokens and for its nodes' slots."""
+        tree = self.tree
+        if tree is None or not self.tree_capable or seq.kv_budget is not None:
+            return None
+        room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens)
+        if room - 1 < 1 or seq.num_tokens + tree.num_nodes > max_model_len:
+            return None
+        return list(tree.trim(room - 1).parents) if room - 1 < tree.depth else list(tree.parents)
+
     def lookaheads(self, seqs: Iterable[Sequence], max_model_len: int) -> dict[int, int]:
         """seq_id -> draft tokens wanted next step, for the sequences that want any. The KV core
         reserves them only for a sequence that decodes this step and is not waiting for its
@@ -99,6 +121,7 @@ class SpeculativeDecoder:
         plain step at this batch size (its baseline)."""
         seqs = list(seqs)
         self._unsettled = False
+        self.trees = {}
         sampled = step_samples(seqs)
         if self.config.adaptive_k and seqs and self.costs.wants_plain(len(seqs), sampled):
             for seq in seqs:

@@ -57,6 +57,10 @@ class StepItem:
     # next_prompt_token, the prompt token after the chunk.
     prompt_logprob_rows: int = 0
     next_prompt_token: int = -1
+    # Tree speculation (core/spec_tree.py): the parent of each draft token, as an offset from
+    # the item's last new token (0; draft j sits at offset j + 1, in preorder). Empty: the
+    # drafts are a chain, each the child of the one before.
+    draft_parents: list[int] = field(default_factory=list)
 
     def __reduce__(self) -> tuple:
         """Pickled as the constructor's arguments: half the bytes and half the unpickling time
@@ -188,11 +192,15 @@ def attach_drafts(
     verify: list[StepItem],
     token_ids: torch.Tensor,  # [len(verify), max_draft] int64
     num_draft: torch.Tensor,  # [len(verify)] int64
+    parents: torch.Tensor | None = None,  # [len(verify), max_draft + 1] int64 tree parents, or None: chains
 ) -> None:
     """Write a proposal into the items it was made for (row i -> ``verify[i]``): the engine
-    and, on Ray, the draft actor of a compiled step fill their copies of the step alike."""
+    and, on Ray, the draft actor of a compiled step fill their copies of the step alike. A
+    tree's parents (row 0 the root's, -1) become each item's ``draft_parents``."""
     counts = num_draft.tolist()
     rows = token_ids.tolist()
+    trees = parents.tolist() if parents is not None else None
     for row, item in enumerate(verify):
         item.draft_token_ids = rows[row][: counts[row]]
         item.draft_row = row
+        item.draft_parents = trees[row][1 : counts[row] + 1] if trees is not None else []
