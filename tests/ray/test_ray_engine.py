@@ -1,6 +1,6 @@
 """The Ray engine (KV-block manager, draft and target shard as actors) gives exactly the
 in-process engine's outputs for 32 concurrent requests -- plain, with KV budgets, and with
-speculative sampling -- including preemptions (a small pool), n > 1 forks, seeded sampling and
+speculative sampling (chains and trees of drafts) -- including preemptions (a small pool), n > 1 forks, seeded sampling and
 log-probabilities; and it streams through the async front."""
 
 from __future__ import annotations
@@ -104,13 +104,14 @@ def test_plain_and_kv_budgets_equal_in_process(stories_path: str) -> None:
     assert any(o.stats.kv_tokens_evicted for o in got)
 
 
-@pytest.mark.parametrize("draft_kv_policy,target_budgets", [
-    (None, False),
-    ("h2o", False),  # a budgeted draft (h2o: deterministic)
-    (None, True),  # budgeted targets speculating: spare slots, settled on every rank
+@pytest.mark.parametrize("draft_kv_policy,target_budgets,tree", [
+    (None, False, None),
+    ("h2o", False, None),  # a budgeted draft (h2o: deterministic)
+    (None, True, None),  # budgeted targets speculating: spare slots, settled on every rank
+    (None, True, "2x2"),  # trees of drafts from the draft actor, chains for the budgeted requests
 ])
 def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_kv_policy: str | None,
-                                       target_budgets: bool) -> None:
+                                       target_budgets: bool, tree: str | None) -> None:
     prompts = _prompts(32, seed=2)
     params = [_params(i, num_speculative_tokens=1 + i % 4) for i in range(32)]
     if target_budgets:  # the score-based and score-free policies whose noise is not random
@@ -119,13 +120,15 @@ def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_
                 params[i] = p.model_copy(update=dict(kv_policy=["window", "h2o", "streaming_llm"][i % 3],
                                                      kv_budget=0.5))
     opts = dict(OPTIONS, draft=draft_dir, draft_kv_policy=draft_kv_policy,
-                draft_kv_budget=0.5 if draft_kv_policy else None)
+                draft_kv_budget=0.5 if draft_kv_policy else None, speculative_tree=tree)
     want = LLM(stories_path, **opts).generate(prompts, params)
     with RayLLM(stories_path, worker_threads=1, actor_niceness=0, **opts) as ray_llm:
         got = ray_llm.generate(prompts, params)
         engine = ray_llm.engine
         assert engine.speculative.stats.num_draft_tokens > 0
         assert 0 < engine.speculative.stats.acceptance_rate < 1
+        if tree:  # the actor drafted trees, the shard verified them (some off the first choices)
+            assert engine.speculative.tree_capable and engine.speculative.stats.mean_tokens_per_forward > 1
         engine.flush()
         # actor_niceness=0: every engine actor runs at niceness 0, not at the 15 Ray starts its
         # pooled workers at (checked: 15 without the option)
@@ -140,6 +143,23 @@ def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_
     for a, b in zip(want, got):
         assert b.stats.spec_draft_tokens == a.stats.spec_draft_tokens
         assert b.stats.spec_accepted_tokens == a.stats.spec_accepted_tokens
+
+
+def test_trees_on_the_plain_step_path_equal_in_process(stories_path: str, draft_dir: str) -> None:
+    """Without the relayed graph the engine asks the draft actor for trees itself
+    (``RemoteDrafter.propose_tree``): the same tokens, logprobs and draft counts as in process
+    (seeded sampled requests included, which a chain would draw differently)."""
+    prompts = _prompts(8, seed=4)
+    params = [_params(i) for i in range(8)]
+    opts = dict(OPTIONS, draft=draft_dir, speculative_tree="2x2")
+    want = LLM(stories_path, **opts).generate(prompts, params)
+    with RayLLM(stories_path, worker_threads=1, compiled_graph=False, step_relay=False, **opts) as ray_llm:
+        assert not ray_llm.engine.relayed
+        got = ray_llm.generate(prompts, params)
+        assert ray_llm.engine.speculative.stats.num_accepted_tokens > 0
+    _same(prompts, want, got)
+    for a, b in zip(want, got):
+        assert b.stats.spec_draft_tokens == a.stats.spec_draft_tokens
 
 
 def test_streams_through_the_async_front(stories_path: str) -> None:

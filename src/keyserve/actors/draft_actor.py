@@ -63,6 +63,9 @@ class DraftBatch:
     infos: dict[int, tuple[str, SamplingParams, int, float, int]]
     released: list[int] = field(default_factory=list)
     incarnation: str | None = None  # the actor the client believes it talks to
+    # seq_id -> the tree of drafts it verifies this step (its parents, core/spec_tree.py); the
+    # others draft chains
+    trees: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,6 +75,7 @@ class DraftTokens:
     incarnation: str
     resync: bool = False  # the actor restarted: nothing proposed, send full tokens again
     failed: bool = False  # drafting raised: nothing proposed, the shadows were dropped
+    parents: torch.Tensor | None = None  # [num_seqs, max_k + 1] int64 trees' parents, or None: chains
 
 
 class DraftActor:
@@ -127,8 +131,12 @@ class DraftActor:
         if batch.incarnation not in (None, self.incarnation):
             return self._nothing(resync=True), None
         targets = self._sync(batch)
-        proposal = self.worker.propose(targets, [e.num_draft for e in batch.entries])
-        return DraftTokens(proposal.token_ids, proposal.num_draft, self.incarnation), proposal.probs
+        if batch.trees:  # the engine asks for trees and chains in separate calls
+            proposal = self.worker.propose_tree(targets, [list(batch.trees[t.seq_id]) for t in targets])
+        else:
+            proposal = self.worker.propose(targets, [e.num_draft for e in batch.entries])
+        return (DraftTokens(proposal.token_ids, proposal.num_draft, self.incarnation, parents=proposal.parents),
+                proposal.probs)
 
     def graph_propose(
         self, step: StepInput | None, batch: DraftBatch,
@@ -147,17 +155,27 @@ class DraftActor:
             return step, None, self._nothing(resync=True)
         # a multi-step round's lookahead is the shards' own extra steps, not slots for drafts
         verify = [it for it in step.items if it.num_lookahead] if step is not None and not step.multi_step else []
+        trees = [it for it in verify if it.seq_id in batch.trees]
+        chains = [it for it in verify if it.seq_id not in batch.trees] if trees else verify
         try:
             targets = {t.seq_id: t for t in self._sync(batch)}
             if not verify:
                 return step, None, self._nothing()
-            proposal = self.worker.propose([targets[it.seq_id] for it in verify],
-                                           [it.num_lookahead for it in verify])
+            grown = None
+            if trees:  # trees of drafts (core/spec_tree.py), as LLMEngine._propose asks for them
+                grown = self.worker.propose_tree([targets[it.seq_id] for it in trees],
+                                                 [list(batch.trees[it.seq_id]) for it in trees])
+            proposal = self.worker.propose([targets[it.seq_id] for it in chains],
+                                           [it.num_lookahead for it in chains]) if chains else None
         except Exception:  # noqa: BLE001 — the step decodes without drafts (as in LLMEngine._propose)
             log.warning("drafting failed; this step decodes without drafts", exc_info=True)
             self._release([e.seq_id for e in batch.entries])
             return step, None, self._nothing(failed=True)
-        attach_drafts(verify, proposal.token_ids, proposal.num_draft)
+        if grown is not None:
+            attach_drafts(trees, grown.token_ids, grown.num_draft, grown.parents)
+        if proposal is None:
+            return step, None, DraftTokens(grown.token_ids, grown.num_draft, self.incarnation, parents=grown.parents)
+        attach_drafts(chains, proposal.token_ids, proposal.num_draft)
         return step, proposal.probs, DraftTokens(proposal.token_ids, proposal.num_draft, self.incarnation)
 
     def _nothing(self, resync: bool = False, failed: bool = False) -> DraftTokens:
@@ -252,9 +270,16 @@ class RemoteDrafter:
             return True
         return incarnation != self.incarnation
 
-    def propose(self, targets: list[Sequence], num_draft: list[int]) -> Proposal:
+    @property
+    def supports_trees(self) -> bool:
+        """Trees of drafts (``Drafter.supports_trees``) on one target shard: only the driver
+        rank verifies, and only it could move an accepted path's KV."""
+        return self.parallel.tensor_parallel_size == 1 and self.args.budget.policy == "full"
+
+    def propose(self, targets: list[Sequence], num_draft: list[int],
+                trees: dict[int, list[int]] | None = None) -> Proposal:
         for _ in range(2):  # a second time only after the actor was found restarted
-            batch = self._batch(targets, num_draft)
+            batch = self._batch(targets, num_draft, trees)
             try:
                 tokens, probs = self._call(batch)
             except (ChannelClosed, *ACTOR_LOST):
@@ -263,12 +288,18 @@ class RemoteDrafter:
             if not tokens.resync:
                 for seq in targets:
                     self._seen[seq.seq_id] = seq.num_tokens
-                return Proposal(tokens.token_ids, probs, tokens.num_draft)  # type: ignore[arg-type]
+                return Proposal(tokens.token_ids, probs, tokens.num_draft, tokens.parents)  # type: ignore[arg-type]
             self.incarnation = tokens.incarnation
             self._seen.clear()
         k = max(num_draft, default=0)
         return Proposal(torch.zeros(len(targets), k, dtype=torch.int64), None,  # type: ignore[arg-type]
-                        torch.zeros(len(targets), dtype=torch.int64))
+                        torch.zeros(len(targets), dtype=torch.int64),
+                        torch.full((len(targets), k + 1), -1, dtype=torch.int64) if trees else None)
+
+    def propose_tree(self, targets: list[Sequence], trees: list[list[int]]) -> Proposal:
+        """``Drafter.propose_tree`` in the actor."""
+        return self.propose(targets, [len(t) - 1 for t in trees],
+                            {seq.seq_id: tree for seq, tree in zip(targets, trees)})
 
     def _call(self, batch: DraftBatch) -> tuple[DraftTokens, torch.Tensor | ray.ObjectRef | None]:
         """One proposal: over the step channel, the probabilities come back as a tensor (rank 0
@@ -287,7 +318,8 @@ class RemoteDrafter:
             self.channel.close()
             self.channel = None
 
-    def _batch(self, targets: list[Sequence], num_draft: list[int]) -> DraftBatch:
+    def _batch(self, targets: list[Sequence], num_draft: list[int],
+               trees: dict[int, list[int]] | None = None) -> DraftBatch:
         entries, infos = [], {}
         for seq, n in zip(targets, num_draft):
             base = self._seen.get(seq.seq_id)
@@ -297,12 +329,13 @@ class RemoteDrafter:
                 base = 0
             entries.append(DraftEntry(seq.seq_id, base, seq.token_ids[base:], n))
         released, self._released = self._released, []
-        return DraftBatch(entries, infos, released, self.incarnation)
+        return DraftBatch(entries, infos, released, self.incarnation, dict(trees or {}))
 
-    def graph_batch(self, targets: list[Sequence]) -> DraftBatch:
+    def graph_batch(self, targets: list[Sequence], trees: dict[int, list[int]] | None = None) -> DraftBatch:
         """A compiled step's draft input: the new tokens of every sequence that may draft
-        (the KV-block manager picks which do, in the same step)."""
-        return self._batch(targets, [0] * len(targets))
+        (the KV-block manager picks which do, in the same step), and the trees of those the
+        engine wants to verify one (``SpeculativeDecoder.trees``)."""
+        return self._batch(targets, [0] * len(targets), trees)
 
     def graph_failed(self, batch: DraftBatch) -> None:
         """The step of ``batch`` failed, maybe before the actor read it: its releases go again

@@ -201,7 +201,8 @@ class RayEngine(LLMEngine):
         speculate = drafter is not None and drafter.available
         lookahead, multi_step = self._step_lookahead(speculate)
         targets = [self._seqs[seq_id] for seq_id in lookahead] if speculate and lookahead and not multi_step else []
-        batch = drafter.graph_batch(targets) if speculate else None
+        trees = self.speculative.trees if self.speculative is not None else None
+        batch = drafter.graph_batch(targets, trees) if speculate else None
         request = self.core_client.request(lookahead, multi_step)
         flight = _Flight(batch, targets)
         try:
