@@ -76,7 +76,8 @@ PROMPTS = [
 # issue 19, one run: batch 1 T = 0 >= 1.8x plain keyserve, T = 0.8 >= 1.4x, batch 8 >= 1.1x
 TARGETS = {(1, 0.0): 1.8, (1, 0.8): 1.4, (8, 0.0): 1.1, (8, 0.8): 1.1}
 SECTION_TITLES = {"speculative_ray": "Speculative sampling on the Ray engine: the draft actor against its own plain "
-                  "decoding (issue 19)"}
+                  "decoding (issue 19)",
+                  "speculative_tree": "Speculative sampling: trees of drafts against chains (issue 19)"}
 RAY_TARGETS = {0.0: 1.5}  # issue 19: the Ray engine with the draft actor, batch 1, over its own plain decoding
 
 
