@@ -615,28 +615,28 @@ def plot(rows: list[Row], path: Path) -> None:
 
     agg = [m for m in aggregate(rows).values() if not m.first.adaptive]  # medians over rounds
     base = {(m.first.engine, m.first.batch, m.first.temperature): m.median for m in agg if m.first.plain}
+    from keyserve.core.spec_tree import TreeShape
+
     fig, ax = plt.subplots(figsize=(7, 4))
+    colours = {}
     for key in sorted(base):
         pts = sorted((m for m in agg if (m.first.engine, m.first.batch, m.first.temperature) == key and m.first.k),
                      key=lambda m: m.first.k)
-        if not pts:
+        trees = [m for m in agg if (m.first.engine, m.first.batch, m.first.temperature) == key and m.first.tree]
+        if not pts and not trees:
             continue
-        ax.plot([m.first.k for m in pts], [m.median / base[key] for m in pts], marker="o",
-                linestyle="-" if key[0] == "keyserve" else "--",
-                label=f"{key[0]} batch {key[1]} T={key[2]}")
-    from keyserve.core.spec_tree import TreeShape
-
-    for m in agg:  # trees: one point each, at their node count
-        r = m.first
-        b = base.get((r.engine, r.batch, r.temperature))
-        if r.tree and b:
-            x = TreeShape.parse(r.tree).num_nodes
-            ax.scatter([x], [m.median / b], marker="*", s=90, zorder=3,
-                       label=f"{r.engine} tree {r.tree} batch {r.batch} T={r.temperature}")
+        (line,) = ax.plot([m.first.k for m in pts], [m.median / base[key] for m in pts], marker="o",
+                          linestyle="-" if key[0] == "keyserve" else "--",
+                          label=f"{key[0]} batch {key[1]} T={key[2]}" + (" (stars: trees)" if trees else ""))
+        colours[key] = line.get_color()
+        for m in trees:  # one star per tree shape, at its node count, labelled with the shape
+            x, y = TreeShape.parse(m.first.tree).num_nodes, m.median / base[key]
+            ax.scatter([x], [y], marker="*", s=110, zorder=3, color=colours[key])
+            ax.annotate(m.first.tree, (x, y), textcoords="offset points", xytext=(6, -3), fontsize=7)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("K (draft tokens per step; a tree at its node count)")
     ax.set_ylabel("speed-up over the same engine without a draft")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
