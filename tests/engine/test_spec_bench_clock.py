@@ -30,3 +30,26 @@ def test_the_step_clock_sees_every_phase_of_plain_and_speculative_steps(stories_
             want = {"total", "target", "verify/sample"} | ({"draft", "draft_forward"} if speculative else set())
             assert want <= seen, f"phases never timed: {want - seen}"
             assert set(PHASES[:3]) - {"draft"} <= seen
+
+
+def test_tree_rows_run_on_the_engine_and_are_rendered_beside_chains(stories_path: str, draft_dir: str) -> None:
+    """``--trees``: a tree row really verifies trees (``tree_shape`` switches the engine's
+    policy for the run and back), and the table measures it against plain decoding -- a tree
+    row (K = 0) must not be taken for the plain baseline, and the fastest row may be a tree."""
+    from bench.spec_bench import Row, render, tree_shape
+
+    llm = LLM(stories_path, num_blocks=200, draft=draft_dir, num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with torch.inference_mode(), tree_shape(llm, "2x1"):
+        [out] = llm.generate("Once upon a time", params)  # (keyserve_run sends chat prompts)
+    drafted = out.stats.spec_draft_tokens
+    assert drafted > 0 and drafted % 4 == 0  # 4 nodes a step, not chains of 3
+    [out] = llm.generate("Once upon a time", params)
+    assert out.stats.spec_draft_tokens % 3 == 0 and llm.engine.speculative.tree is None  # chains again
+    rows = [Row("keyserve", 1, 0.0, 0, 100, 10.0), Row("keyserve", 1, 0.0, 1, 100, 8.0),
+            Row("keyserve", 1, 0.0, 0, 100, 5.0, drafted=40, accepted=20, target_forwards=60, tree="3")]
+    meta = dict(num_prompts=1, max_tokens=100, repeats=1, threads=2, transformers="-", load_before="-",
+                load_after="-", wall_min=0.0, draft_params_m=1.0, target_params_m=10.0)
+    text = render(rows, meta)
+    assert "| 1 | 0 | 10.0 | tree 3: 20.0 | 2.00× |" in text  # plain 10 tok/s, the tree 20 tok/s
+    assert "| keyserve | 1 | 0 | tree 3 |" in text
