@@ -175,11 +175,19 @@ class SpeculativeConfig(_Strict):
     @field_validator("speculative_tree")
     @classmethod
     def _tree_shape(cls, value: str | None) -> str | None:
+        """Widths per depth, 'WxVx...', at most 62 nodes (core/spec_tree.py's TreeShape, which
+        the config may not import: it is the layer below core)."""
         if value is None:
             return None
-        from keyserve.core.spec_tree import TreeShape
-
-        TreeShape.parse(value)  # a ValueError names what is wrong
+        parts = value.strip().lower().split("x")
+        if not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+            raise ValueError(f"speculative_tree {value!r}: widths per depth like '3x2', each at least 1")
+        nodes, level = 0, 1
+        for width in map(int, parts):
+            level *= width
+            nodes += level
+        if nodes > 62:
+            raise ValueError(f"speculative_tree {value!r} has {nodes} nodes; at most 62")
         return value
 
     @model_validator(mode="after")

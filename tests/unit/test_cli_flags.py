@@ -119,7 +119,7 @@ def candidate_argvs(action: argparse.Action) -> list[list[str]]:
     elif action.type is float:
         values = ["0.5", "0.75", "3"]
     elif action.type in (None, str):
-        values = ["x"]
+        values = ["x", "2"]  # "2": a string field with a grammar (speculative_tree's shapes)
     else:  # a JSON object (Ray resources)
         values = ['{"r": 1}']
     return [[flag, v] for v in values]
