@@ -10,7 +10,6 @@ walk's exactness per draw in ``tests/unit/test_spec_tree.py``."""
 
 from __future__ import annotations
 
-import math
 import random
 from collections import Counter
 
@@ -21,7 +20,7 @@ from keyserve import LLM, SamplingParams
 from keyserve.config import EngineConfig
 from keyserve.engine.model_runner import ModelRunner
 
-from tests.engine.test_speculative_engine import _exact_first_two
+from tests.engine.test_speculative_engine import _exact_first_two, assert_counts_match
 
 WORDS = "once upon a time there was a little girl named lily she loved to play outside in the park".split()
 
@@ -107,8 +106,6 @@ def test_sampled_tree_equals_target_exactly(stories_path: str, draft_dir: str) -
     second one from the first tree verification, a node the target's draw matched or the draw
     itself -- against the target's exact joint q(t1)·q(t2 | t1). Same power as the chain's test
     (``test_speculative_engine``): a 0.02 shift in any cell is >= 5.7 standard errors."""
-    from scipy.stats import chisquare
-
     params = SamplingParams(n=64, max_tokens=4, temperature=0.7, top_p=0.9, top_k=50, ignore_eos=True)
     llm = LLM(stories_path, num_blocks=1400, max_num_seqs=512, draft=draft_dir, speculative_tree="3x2")
     prompt = llm.tokenizer.encode("the little dog")
@@ -121,19 +118,7 @@ def test_sampled_tree_equals_target_exactly(stories_path: str, draft_dir: str) -
     assert n == requests * 64
     exact = _exact_first_two(stories_path, prompt, params)
     assert set(counts) <= set(exact), f"emitted outside the target's support: {set(counts) - set(exact)}"
-    cells = sorted(exact)
-    observed = [counts.get(c, 0) for c in cells]
-    expected = [exact[c] * n for c in cells]
-    for cell, o, e in zip(cells, observed, expected):
-        p = e / n
-        z = (o - e) / math.sqrt(max(n * p * (1 - p), 1e-12))
-        assert abs(z) < 4.4, (cell, o, e)
-    big = [i for i, e in enumerate(expected) if e >= 5]
-    obs = [observed[i] for i in big] + [n - sum(observed[i] for i in big)]
-    exp = [expected[i] for i in big] + [n - sum(expected[i] for i in big)]
-    if exp[-1] < 1e-9:
-        obs, exp = obs[:-1], exp[:-1]
-    assert chisquare(obs, exp).pvalue > 1e-3
+    assert_counts_match(counts, exact, n)
 
 
 def test_seeded_tree_request_is_the_same_alone_or_batched(stories_path: str, draft_dir: str) -> None:

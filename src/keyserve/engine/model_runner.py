@@ -23,6 +23,7 @@ import torch
 from keyserve.core.block_manager import BlockCopy
 from keyserve.core.generator_marks import GeneratorMarks
 from keyserve.core.sampler import SamplingTensors, make_generator, sample, top_logprobs
+from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.spec_decode import verify_drafts
 from keyserve.core.spec_tree import item_masks, kv_moves, node_depths, verify_tree
 from keyserve.engine.cuda_graphs import DecodeGraphs
@@ -482,16 +483,12 @@ class ModelRunner:
         accepted = result.num_accepted.tolist()
         paths = result.accepted_nodes.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
+        _emit_verified(items, params, tokens, accepted, logprobs, out)
         moves: list[tuple[int, int]] = []  # physical (source, destination) slots
         for row, item in enumerate(items):
-            a = accepted[row]
-            out.tokens[item.seq_id] = tokens[row][: a + 1]
-            if logprobs is not None and params[row].logprobs:
-                out.logprobs[item.seq_id] = logprobs[row][: a + 1]
-            out.num_accepted[item.seq_id] = a
             root = item.start + item.num_new_tokens - 1
             moves += [(self._slot(item, root + src), self._slot(item, root + dst))
-                      for src, dst in kv_moves(paths[row][:a])]
+                      for src, dst in kv_moves(paths[row][: accepted[row]])]
         if any(p.top_logprobs for p in params):  # the rows that emitted: the root, then the path
             rows = [r * width + j for r, a in enumerate(accepted) for j in [0] + paths[r][:a]]
             wanted = [p.top_logprobs for p, a in zip(params, accepted) for _ in range(a + 1)]
@@ -559,12 +556,7 @@ class ModelRunner:
         tokens = result.output_token_ids.tolist()
         accepted = result.num_accepted.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
-        for row, item in enumerate(items):
-            a = accepted[row]
-            out.tokens[item.seq_id] = tokens[row][: a + 1]
-            if logprobs is not None and params[row].logprobs:
-                out.logprobs[item.seq_id] = logprobs[row][: a + 1]
-            out.num_accepted[item.seq_id] = a
+        _emit_verified(items, params, tokens, accepted, logprobs, out)
         if any(p.top_logprobs for p in params):  # each emitted token's row of the target
             wanted = [p.top_logprobs if j <= a else 0 for p, a in zip(params, accepted) for j in range(width)]
             tops = top_logprobs(target_logits.reshape(len(items) * width, -1), wanted)
@@ -586,6 +578,24 @@ class ModelRunner:
                 culprits += 1
         if not culprits:
             raise error
+
+
+def _emit_verified(
+    items: list[StepItem],
+    params: list[SamplingParams],
+    tokens: list[list[int]],  # per item, its emitted tokens then padding
+    accepted: list[int],  # per item, drafts accepted (it emitted one more token)
+    logprobs: list[list[float]] | None,  # per item, the emitted tokens' logprobs, if any asked
+    out: StepOutput,
+) -> None:
+    """A verification's answer per item, chains and trees alike: the emitted tokens, their
+    logprobs where asked, the accepted count."""
+    for row, item in enumerate(items):
+        a = accepted[row]
+        out.tokens[item.seq_id] = tokens[row][: a + 1]
+        if logprobs is not None and params[row].logprobs:
+            out.logprobs[item.seq_id] = logprobs[row][: a + 1]
+        out.num_accepted[item.seq_id] = a
 
 
 def _touches(item: StepItem, failed: dict[int, str]) -> bool:
