@@ -35,7 +35,7 @@ def test_rounds_equal_the_in_process_engine_with_single_steps(stories_path: str,
         assert engine.stats().num_preemptions > 0
         view = engine.check_consistent()
         assert view.num_free_blocks == view.num_blocks
-    _same(prompts, want, got)
+    _same(prompts, want, got, tp)
 
 
 def test_with_the_draft_actor_the_steps_nobody_drafts_in_run_as_rounds(stories_path: str, draft_dir: str) -> None:

@@ -45,11 +45,28 @@ def _params(i: int, budgets: bool = False, **kw) -> SamplingParams:
     )
 
 
-def _same(prompts: list[str], want, got) -> None:
+def _close_logprobs(got: list[float], want: list[float], near_ties: bool) -> None:
+    """Log-probabilities equal to 1e-5. With ``near_ties`` (a request that evicted KV, on a
+    tensor-parallel group): at most two positions may move further, each by at most 1e-2. TP's
+    all-reduce rounds differently from one rank (~1e-6), and an eviction whose two candidates
+    score within that much of each other can go either way for a step: request 10 of
+    ``_prompts(32, seed=5)`` (H2O) moves its 14th log-probability by 2.8e-3 at TP 2 on a Xeon,
+    and so does the in-process engine when its weights are scaled by 1 + 1e-6 noise (3 of 4
+    seeds); everything else moves by ~1e-5."""
+    diff = (torch.tensor(got) - torch.tensor(want)).abs()
+    if not near_ties:
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
+        return
+    assert len(got) == len(want)
+    assert int((diff > 1e-5).sum()) <= 2 and (diff.numel() == 0 or float(diff.max()) <= 1e-2), diff
+
+
+def _same(prompts: list[str], want, got, tp: int = 1) -> None:
     """Ray outputs equal the in-process ones, request by request, each answering its own
     prompt in order (the old ``is not None`` on a list of ids could not fail): mutating
     ``LLM.generate`` to return ``list(done.values())`` (finish order) instead of
-    ``[done[rid] for rid in ids]`` fails here."""
+    ``[done[rid] for rid in ids]`` fails here. ``tp``: the Ray group's size (see
+    ``_close_logprobs`` for what it allows an evicting request)."""
     assert [o.prompt for o in got] == prompts and [o.prompt for o in want] == prompts
     assert [o.request_id for o in got] == [o.request_id for o in want]
     for a, b in zip(want, got, strict=True):
@@ -57,7 +74,7 @@ def _same(prompts: list[str], want, got) -> None:
         for x, y in zip(a.outputs, b.outputs):
             assert y.token_ids == x.token_ids
             assert y.finish_reason == x.finish_reason
-            torch.testing.assert_close(torch.tensor(y.logprobs), torch.tensor(x.logprobs), atol=1e-5, rtol=0)
+            _close_logprobs(y.logprobs, x.logprobs, near_ties=tp > 1 and a.stats.kv_tokens_evicted > 0)
             assert (y.top_logprobs is None) == (x.top_logprobs is None)
             if x.top_logprobs is not None:  # the alternatives, from the shards' rows (rank 0's gather)
                 assert [[t for t, _ in top] for top in y.top_logprobs] == [[t for t, _ in top] for top in x.top_logprobs]
