@@ -168,8 +168,9 @@ class SpeculativeConfig(_Strict):
     speculative_tree: str | None = Field(
         None, description="Verify a tree of drafts instead of a chain: children per node at each depth, "
         "e.g. '3x2' (the draft's 3 likeliest tokens, then its 2 likeliest after each; 9 drafts, up to "
-        "3 tokens a step). Output stays the target's. Not with adaptive_k, a draft KV policy, or "
-        "tensor parallelism (those sequences verify chains).",
+        "3 tokens a step). Output stays the target's. With adaptive_k each request verifies the tree "
+        "or decodes plainly, whichever the measured acceptance and step cost favour. Not with a "
+        "draft KV policy or tensor parallelism (those sequences verify chains).",
     )
 
     @field_validator("speculative_tree")
@@ -189,12 +190,6 @@ class SpeculativeConfig(_Strict):
         if nodes > 62:
             raise ValueError(f"speculative_tree {value!r} has {nodes} nodes; at most 62")
         return value
-
-    @model_validator(mode="after")
-    def _tree_alone(self) -> "SpeculativeConfig":
-        if self.speculative_tree is not None and self.adaptive_k:
-            raise ValueError("speculative_tree does not combine with adaptive_k yet: pick one")
-        return self
 
 
 class ParallelConfig(_Strict):

@@ -53,3 +53,29 @@ def test_tree_rows_run_on_the_engine_and_are_rendered_beside_chains(stories_path
     text = render(rows, meta)
     assert "| 1 | 0 | 10.0 | tree 3: 20.0 | 2.00× |" in text  # plain 10 tok/s, the tree 20 tok/s
     assert "| keyserve | 1 | 0 | tree 3 |" in text
+    # adaptive rows, chains' and a tree's: the summary quotes the faster, the verdicts name each
+    rows += [Row("keyserve", 1, 0.0, 3, 100, 9.0, adaptive=True),
+             Row("keyserve", 1, 0.0, 3, 100, 6.0, drafted=30, accepted=15, target_forwards=60, adaptive=True, tree="3")]
+    text = render(rows, meta)
+    assert "| adaptive tree 3: 16.7 (1.67×) |" in text
+    assert "adaptive K (adaptive tree 3) never slower than plain, batch 1, T = 0.0: **met** (1.67×" in text
+    assert "adaptive K (adaptive ≤ 3) never slower than plain, batch 1, T = 0.0: **met** (1.11×" in text
+    assert "| keyserve adaptive | 1 | 0 | adaptive tree 3 |" in text
+
+
+def test_adaptive_tree_rows_verify_trees_or_nothing(stories_path: str, draft_dir: str) -> None:
+    """An adaptive tree row (``adaptive_k`` and ``tree_shape`` together, as the bench runs it)
+    verifies trees of the shape or decodes plainly -- never chains -- and its output is the
+    target's own (greedy)."""
+    from bench.spec_bench import adaptive_k, tree_shape
+
+    llm = LLM(stories_path, num_blocks=200, draft=draft_dir, num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    [alone] = LLM(stories_path, num_blocks=200).generate("Once upon a time", params)
+    with torch.inference_mode(), adaptive_k(llm, True), tree_shape(llm, "2x1"):
+        [out] = llm.generate("Once upon a time", params)
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    policy = llm.engine.speculative
+    assert out.stats.spec_draft_tokens > 0
+    assert set(policy.costs.estimates(1)) <= {0}  # no chain step: the chains' model saw only plain ones
+    assert 2 in policy.tree_costs.estimates(1)  # tree steps (depth 2) measured for the trees' choice

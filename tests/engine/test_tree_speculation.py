@@ -153,6 +153,6 @@ def test_bad_tree_shapes_are_refused(bad: str) -> None:
         EngineConfig.from_flat(speculative_tree=bad)
 
 
-def test_tree_and_adaptive_k_are_refused_together() -> None:
-    with pytest.raises(ValidationError, match="adaptive_k"):
-        EngineConfig.from_flat(speculative_tree="2x2", adaptive_k=True)
+def test_tree_and_adaptive_k_combine() -> None:
+    cfg = EngineConfig.from_flat(speculative_tree="2x2", adaptive_k=True)
+    assert cfg.spec.speculative_tree == "2x2" and cfg.spec.adaptive_k

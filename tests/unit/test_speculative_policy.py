@@ -100,3 +100,69 @@ def test_new_sequences_start_from_the_engines_acceptance() -> None:
     fresh.seq_id = 12345
     assert policy.lookaheads([fresh], MAX_LEN)[fresh.seq_id] == 1
     assert policy.lookaheads(seqs, MAX_LEN)[seqs[0].seq_id] == 1  # the one started at 0.7 too
+
+
+class _TreeDrafter:
+    """What the policy reads of a drafter: whether it drafts trees (no model behind it)."""
+
+    supports_trees = True
+
+
+def _tree_policy(shape: str = "3x2") -> SpeculativeDecoder:
+    cfg = SpeculativeConfig(num_speculative_tokens=4, adaptive_k=True, speculative_tree=shape)
+    return SpeculativeDecoder(_TreeDrafter(), cfg, cost_ratio=0.05)  # type: ignore[arg-type]
+
+
+def _tree_steps(policy: SpeculativeDecoder, seqs: list[Sequence], seconds: float, accepted: int,
+                steps: int) -> None:
+    """``steps`` decode steps: every sequence verifying the tree gets ``accepted`` of its levels,
+    and a step with trees in it takes ``seconds`` (a plain one 1.0)."""
+    for _ in range(steps):
+        wanted = policy.lookaheads(seqs, MAX_LEN)
+        trees = [s for s in seqs if s.seq_id in policy.trees]
+        for seq in trees:
+            policy.record(seq.request_id, seq.seq_id, wanted[seq.seq_id], accepted, policy.trees[seq.seq_id][1:])
+        policy.observe_step(len(seqs), max(wanted.values(), default=0), seconds if trees else 1.0,
+                            drafting=len(trees), trees=len(trees))
+
+
+def test_adaptive_trees_verify_while_they_pay_and_stop_when_they_cost_more() -> None:
+    """Adaptive K with a tree: after the plain baseline every sequence verifies the tree (9
+    nodes of a 3x2), the tree steps' cost goes to the trees' own cost model (not the chains',
+    keyed by K = 9 or any K), and when tree steps cost 3x a plain step while one level in two
+    is accepted (1.75 tokens per step under the model) every sequence decodes plainly. At 1.3x
+    they keep the tree. Mutations caught: ``_tree_pays`` dropped from ``lookahead`` (trees at
+    any cost), tree steps recorded into ``costs`` (the chains' model), the ``tree_costs`` plain
+    baseline not recorded (the trees' model stays on its prior)."""
+    cheap, dear = _tree_policy(), _tree_policy()
+    for policy, seconds in ((cheap, 1.3), (dear, 3.0)):
+        seqs = _seqs(2)
+        for _ in range(2):
+            assert policy.lookaheads(seqs, MAX_LEN) == {}  # the baseline of both models
+            policy.observe_step(2, 0, 1.0)
+        assert policy.lookaheads(seqs, MAX_LEN) == {s.seq_id: 9 for s in seqs}  # the prior says trees pay
+        _tree_steps(policy, seqs, seconds, accepted=1, steps=12)
+        assert policy.costs.estimates(2) == {0: 1.0}
+        assert abs(policy.tree_costs.estimates(2)[2] - seconds) < 1e-9  # keyed by the tree's depth
+    assert abs(cheap.prior_alpha(tree=True) - 0.5) < 0.05 and cheap.prior_alpha() == 0.7
+    assert set(cheap.lookaheads(_seqs(2), MAX_LEN).values()) == {9}
+    assert dear.lookaheads(_seqs(2), MAX_LEN) == {}
+
+
+def test_a_trees_acceptance_counts_levels_not_nodes() -> None:
+    """A 3x2 tree step that accepted 2 tokens went all the way down: 2 levels tested, none
+    failed, where 9 drafts would read 7 untested (a failure). So the trees' α is 1.0 after
+    such steps, and 0.5 after steps that accepted 1 (one level passed, one failed); a chain's
+    estimate (``_engine_alpha``) is untouched. The request's statistics still count nodes (what
+    was drafted). Mutation caught: ``record`` feeding ``adapt`` with ``num_draft`` (α 2/3)."""
+    policy = _tree_policy()
+    parents = list(policy.tree.parents[1:])  # type: ignore[union-attr]
+    for _ in range(20):
+        policy.record("r", 7, 9, 2, parents)
+    assert abs(policy.prior_alpha(tree=True) - 1.0) < 1e-9
+    assert policy.prior_alpha() == 0.7
+    assert policy.stats.num_draft_tokens == 180 and policy.stats.num_accepted_tokens == 40
+    other = _tree_policy()
+    for _ in range(20):
+        other.record("r", 7, 9, 1, parents)
+    assert abs(other.prior_alpha(tree=True) - 0.5) < 1e-9

@@ -344,7 +344,7 @@ class LLMEngine:
         seqs = [self._seqs[it.seq_id] for it in items if it.seq_id in self._seqs]
         drafts = [len(it.draft_token_ids) for it in items]
         self.speculative.observe_step(len(items), max(drafts), seconds, step_samples(seqs),
-                                      sum(1 for n in drafts if n))
+                                      sum(1 for n in drafts if n), sum(1 for it in items if it.draft_parents))
 
     def _flush_store_if_idle(self) -> None:
         """With no request left nobody waits for a token: store what was copied out now
@@ -462,7 +462,8 @@ class LLMEngine:
                 if verifies:
                     accepted = out.num_accepted[item.seq_id]
                     if self.speculative is not None and item.draft_token_ids:
-                        self.speculative.record(req.request_id, item.seq_id, len(item.draft_token_ids), accepted)
+                        self.speculative.record(req.request_id, item.seq_id, len(item.draft_token_ids), accepted,
+                                                item.draft_parents)
                     self._emit(req, self._seqs[item.seq_id], out, now, kept)
                     # A stop cut the run: only the kept tokens' KV counts as computed (the
                     # request's kv_tokens_held), as if its steps had run one at a time.

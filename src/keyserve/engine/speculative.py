@@ -11,7 +11,12 @@ that length.
 ``SpeculativeDecoder`` keeps the engine-side part: how many drafts, statistics, adaptive K.
 Adaptive K (``config.adaptive_k``) picks K per sequence, 0 included, from its acceptance and
 the step cost the engine measures (``observe_step`` feeds ``core.step_cost.StepCostModel``), so
-speculation stops where it does not pay at the current batch size. There is one per engine, in the engine's process: it sends the KV core how many drafts each
+speculation stops where it does not pay at the current batch size. With a tree
+(``config.speculative_tree``) adaptive K chooses per sequence between verifying the tree and
+decoding plainly: the tree's tokens per step are modelled as a chain's of its depth with the
+per-level continuation the sequence measures (exact for a one-level tree: 1 + P(a child is the
+target's token)), and its cost is what the engine measures for tree steps, kept apart from
+chains' (``tree_costs``). There is one per engine, in the engine's process: it sends the KV core how many drafts each
 sequence wants (``lookaheads``, with ``KVCore.schedule``), so the core (in the engine's process
 or in the KV-block manager actor) holds no speculative policy of its own.
 """
@@ -19,13 +24,14 @@ or in the KV-block manager actor) holds no speculative policy of its own.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 
 from keyserve.config import SpeculativeConfig
 from keyserve.core.adaptive_k import AdaptiveK
 from keyserve.core.sequence import Sequence
 from keyserve.core.spec_decode import AcceptanceStats
-from keyserve.core.spec_tree import TreeShape
+from keyserve.core.spec_tree import TreeShape, node_depths
 from keyserve.core.step_cost import StepCostModel
 from keyserve.engine.drafter import Drafter
 
@@ -55,6 +61,13 @@ class SpeculativeDecoder:
         # accepted ~0.3 of the time, which cost more than the rest of a short answer gained
         # (batch 1, T = 0.8, 64 tokens: adaptive 0.96x plain while fixed K = 1 made 1.01x).
         self._engine_alpha = AdaptiveK(k_min=0, k_max=0, decay=0.995, prior_weight=0.0)  # its own drafts only
+        # The same for trees (adaptive K with speculative_tree): per sequence, the tree or
+        # nothing; α is a tree's per-level continuation (a step that reached depth d of D
+        # accepted d levels and, when d < D, failed one), its step cost measured apart from
+        # chains' (a 3-node tree of depth 1 costs what a 3-node chain's rows do, not what K = 1's do).
+        self._adaptive_tree: dict[int, AdaptiveK] = {}
+        self._engine_tree_alpha = AdaptiveK(k_min=0, k_max=0, decay=0.995, prior_weight=0.0)
+        self.tree_costs = StepCostModel(cost_ratio)
         # This step's cost says nothing steady about K: a sequence drafts after not drafting
         # (the draft catches up on its prompt or on what it missed) or probes.
         self._unsettled = False
@@ -80,6 +93,8 @@ class SpeculativeDecoder:
             return 0
         tree = self._tree_for(seq, max_model_len)
         if tree is not None:
+            if self.config.adaptive_k and not self._tree_pays(seq, batch, sampled):
+                return 0
             self.trees[seq.seq_id] = tree
             return len(tree) - 1
         k = seq.params.num_speculative_tokens or self.config.num_speculative_tokens
@@ -102,6 +117,24 @@ class SpeculativeDecoder:
         )
         return max(0, min(k, room - 1))
 
+    def _tree_pays(self, seq: Sequence, batch: int, sampled: bool) -> bool:
+        """Adaptive K with a tree: whether this sequence verifies the tree next step (else it
+        decodes plainly). The same chooser as chains', over two arms: K = the tree's depth,
+        costing what tree steps measure at this batch size, or K = 0 (probes included)."""
+        assert self.tree is not None
+        depth = self.tree.depth
+        adaptive = self._adaptive_tree.get(seq.seq_id)
+        if adaptive is None:
+            adaptive = self._adaptive_tree[seq.seq_id] = AdaptiveK(
+                k_min=0, k_max=depth, cost_ratio=self.cost_ratio, probe_k=depth)
+        adaptive.prior_alpha = self.prior_alpha(tree=True)
+        tree_cost = self.tree_costs.relative_cost(depth, batch, sampled)
+        k = adaptive.choose(lambda kk: tree_cost if kk == depth else math.inf)
+        if k and (adaptive.last_was_probe or not self._last_k.get(seq.seq_id)):
+            self._unsettled = True
+        self._last_k[seq.seq_id] = k
+        return k > 0
+
     def _tree_for(self, seq: Sequence, max_model_len: int) -> list[int] | None:
         """The tree a sequence verifies next step (its parents), or None for a chain: trees
         need a drafter that builds them, a sequence without a KV budget, room for the tree's
@@ -123,7 +156,9 @@ class SpeculativeDecoder:
         self._unsettled = False
         self.trees = {}
         sampled = step_samples(seqs)
-        if self.config.adaptive_k and seqs and self.costs.wants_plain(len(seqs), sampled):
+        if self.config.adaptive_k and seqs and (
+                self.costs.wants_plain(len(seqs), sampled)
+                or (self.tree is not None and self.tree_costs.wants_plain(len(seqs), sampled))):
             for seq in seqs:
                 self._last_k[seq.seq_id] = 0
             return {}
@@ -140,39 +175,54 @@ class SpeculativeDecoder:
         return wanted
 
     def observe_step(self, batch: int, k: int, seconds: float, sampled: bool = False,
-                     drafting: int | None = None) -> None:
+                     drafting: int | None = None, trees: int = 0) -> None:
         """The engine's measured time of one decode step (no prompt chunk in it) of ``batch``
-        sequences, ``drafting`` of them (default: all) drafting up to ``k`` each: the step cost
-        model learns from it, unless a sequence's draft was catching up or probing in it (not
-        what a steady K costs)."""
-        if self.config.adaptive_k and not (k and self._unsettled):
-            self.costs.record(batch, k, seconds, sampled, drafting)
+        sequences, ``drafting`` of them (default: all) drafting up to ``k`` each, ``trees`` of
+        them verifying a tree: the step cost models learn from it (a plain step is both
+        models' baseline, a step with trees is the trees'), unless a sequence's draft was
+        catching up or probing in it (not what a steady K costs)."""
+        if not self.config.adaptive_k or (k and self._unsettled):
+            return
+        if trees and self.tree is not None:
+            self.tree_costs.record(batch, self.tree.depth, seconds, sampled, trees)
+            return
+        self.costs.record(batch, k, seconds, sampled, drafting)
+        if not k and self.tree is not None:
+            self.tree_costs.record(batch, 0, seconds, sampled)
 
-    def record(self, request_id: str, seq_id: int, num_draft: int, num_accepted: int) -> None:
-        """Statistics of one verification (engine total and per request), and adaptive K's
-        acceptance estimate for the sequence."""
+    def record(self, request_id: str, seq_id: int, num_draft: int, num_accepted: int,
+               parents: list[int] | None = None) -> None:
+        """Statistics of one verification (engine total and per request: drafts are a tree's
+        nodes), and adaptive K's acceptance estimate for the sequence; ``parents``: the tree's
+        (core/spec_tree.py), None for a chain."""
         self.stats.update([num_draft], [num_accepted])
         self.request_stats.setdefault(request_id, AcceptanceStats()).update([num_draft], [num_accepted])
-        self.adapt(seq_id, num_draft, num_accepted)
+        if parents:
+            self.adapt(seq_id, max(node_depths(parents)), num_accepted, tree=True)
+        else:
+            self.adapt(seq_id, num_draft, num_accepted)
 
-    def prior_alpha(self) -> float:
+    def prior_alpha(self, tree: bool = False) -> float:
         """Every sequence's prior acceptance (re-read each step): this engine's recent
-        acceptance once it has seen PRIOR_TRIALS verified drafts, else AdaptiveK's default."""
-        engine = self._engine_alpha
+        acceptance (of trees' levels with ``tree``) once it has seen PRIOR_TRIALS verified
+        drafts, else AdaptiveK's default."""
+        engine = self._engine_tree_alpha if tree else self._engine_alpha
         return engine.alpha if engine.tested >= PRIOR_TRIALS else AdaptiveK.prior_alpha
 
-    def adapt(self, seq_id: int, num_draft: int, num_accepted: int) -> None:
+    def adapt(self, seq_id: int, num_draft: int, num_accepted: int, tree: bool = False) -> None:
         """Feed adaptive K's acceptance estimates, the sequence's (``lookahead`` picks K from
-        it) and the engine's (new sequences start from it)."""
+        it) and the engine's (new sequences start from it); with ``tree``, ``num_draft`` is the
+        tree's depth and the estimates are trees' own."""
         if not num_draft:
             return
-        self._engine_alpha.observe([num_draft], [num_accepted])
-        adaptive = self._adaptive.get(seq_id)
+        (self._engine_tree_alpha if tree else self._engine_alpha).observe([num_draft], [num_accepted])
+        adaptive = (self._adaptive_tree if tree else self._adaptive).get(seq_id)
         if adaptive is not None:
             adaptive.observe([num_draft], [num_accepted])
 
     def forget(self, seq_id: int) -> None:
         self._adaptive.pop(seq_id, None)
+        self._adaptive_tree.pop(seq_id, None)
         self._last_k.pop(seq_id, None)
 
     def release(self, seq: Sequence) -> None:
