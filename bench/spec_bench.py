@@ -10,6 +10,9 @@ so it has batch-1 rows only). Every output is forced to its length (EOS ignored)
 With ``--ray`` also the Ray engine (TP = 1, its default step path) at batch 1: one without a draft
 (its own plain decoding) and one with the draft actor at each K and adaptive K, taking their
 turns in the same rounds (the ``ray`` rows; their speed-up is over the Ray engine's plain row).
+With ``--trees`` also trees of drafts of each shape (``speculative_tree``), fixed and with
+adaptive K (per sequence the tree or plain decoding), in process and, with ``--ray``, on the
+Ray engine's draft actor.
 
 So that a reader can trust it: every configuration runs the same ``--num-prompts`` prompts
 (16 distinct by default) x ``--max-tokens`` (128); every contender gets an untimed warm-up of
@@ -541,7 +544,7 @@ def render(rows: list[Row], meta: dict) -> str:
                             f"{agg[('keyserve', False, batch, temp, 0, '')].spread})")
     for temp in sorted({m.first.temperature for m in ray_rows}):
         plain = ray_base.get((1, temp))
-        spec = [m for m in ray_rows if m.first.k and m.first.batch == 1 and m.first.temperature == temp]
+        spec = [m for m in ray_rows if (m.first.k or m.first.tree) and m.first.batch == 1 and m.first.temperature == temp]
         if plain and spec:
             top = max(spec, key=lambda m: m.median)
             target = RAY_TARGETS.get(temp)
@@ -652,7 +655,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     ap.add_argument("--trees", nargs="*", default=[],
-                    help="tree shapes to verify as well (speculative_tree, e.g. 2x1 3x2), keyserve in process")
+                    help="tree shapes to verify as well (speculative_tree, e.g. 2x1 3x2): keyserve in process, "
+                         "and with --ray the Ray engine")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     ap.add_argument("--num-prompts", type=int, default=16,
@@ -763,6 +767,8 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
     if rays:  # batch 1 (the target's), plain on its own engine, fixed and adaptive K on the draft's
         configs += [("ray", False, 1, t, k, "") for t in args.ray_temperatures for k in [0, *args.ks]]
         configs += [("ray", True, 1, t, max(args.ks), "") for t in args.ray_temperatures]
+        configs += [("ray", adaptive, 1, t, max(args.ks) if adaptive else 0, tree) for t in args.ray_temperatures
+                    for tree in args.trees for adaptive in ([False] if args.skip_adaptive else [False, True])]
     if not args.skip_adaptive:  # chains', and each tree's (the tree or plain decoding, per sequence)
         configs += [("keyserve", True, b, t, max(args.ks), tree) for t in args.temperatures for b in args.batches
                     for tree in ["", *args.trees]]
@@ -780,10 +786,10 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
                 with adaptive_k(llm, adaptive), tree_shape(llm, tree):
                     return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive, tree)
             if engine == "ray":
-                ray_llm = rays["draft" if k else "plain"]
+                ray_llm = rays["draft" if k or tree else "plain"]
                 try:
-                    with adaptive_k(ray_llm, adaptive):
-                        return keyserve_run(ray_llm, batch, temp, k, prompts, max_tokens, adaptive)
+                    with adaptive_k(ray_llm, adaptive), tree_shape(ray_llm, tree):
+                        return keyserve_run(ray_llm, batch, temp, k, prompts, max_tokens, adaptive, tree)
                 finally:  # its graph's actors busy-wait until the idle release: let them go first
                     time.sleep(RAY_IDLE_RELEASE_S + 0.3)
             return hf_run(hf, draft, counters, tok, temp, k, prompts, max_tokens)
