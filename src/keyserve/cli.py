@@ -185,6 +185,10 @@ def _add_distill_args(p: argparse.ArgumentParser) -> None:
                         "(teacher-forced: Python docs and sources, package licences and descriptions)")
     p.add_argument("--corpus-share", type=float, default=0.2,
                    help="share of the time budget for the teacher-forced text (after the answers)")
+    p.add_argument("--answer-rounds", type=int, default=1,
+                   help="answers per prompt: rounds after the first all sample at --temperature")
+    p.add_argument("--init-from", default=None,
+                   help="another run's checkpoint.pt: train from its best weights (same layers and vocabulary)")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--batch-tokens", type=int, default=2048, help="training tokens per step")
     p.add_argument("--lr", type=float, default=1e-3)

@@ -27,10 +27,10 @@ from keyserve.model.llama import LlamaForCausalLM
 from keyserve.model.loader import LoadedModel, load_model
 from keyserve.training.acceptance import simulate_greedy, simulate_tree, tree_nodes
 from keyserve.training.dense import DenseLlama
-from keyserve.training.distill import DistillOptions, distill_draft, init_layer_ids
+from keyserve.training.distill import DistillOptions, _split, distill_draft, init_layer_ids
 from keyserve.training.export import export_draft
 from keyserve.training.generate import GenerationJob, generate_answers
-from keyserve.training.records import Answer
+from keyserve.training.records import Answer, load_parts
 from keyserve.training.teacher_forced import teacher_forced_logits
 
 TINY = ["--gen-tokens", "24", "--vocab", "200", "--batch-tokens", "256",
@@ -290,3 +290,32 @@ def test_resume_after_interrupted_generation_answers_only_missing_prompts(
     after = load_parts(tmp_path / "data")
     assert after is not None and sorted(after.prompt_index.tolist()) == list(range(14))
     assert torch.equal(TeacherData.load(parts[-1]).gen_tokens, tail.gen_tokens)  # kept as saved
+
+
+def test_answer_rounds_add_sampled_answers_and_init_from_starts_from_a_run(
+    stories_path: str, tmp_path: Path
+) -> None:
+    """Round 2 answers every prompt again (sampled, recorded as index 10 + i); a run started
+    with ``--init-from`` begins at the other run's best weights, not the target's layers."""
+    first = tmp_path / "first"
+    _distill(stories_path, first, "--steps", "6", "--greedy-fraction", "1.0")
+    before = load_parts(first / "data")
+    assert sorted(before.prompt_index.tolist()) == list(range(10))
+    second = tmp_path / "second"
+    second.mkdir()
+    shutil.copytree(first / "data", second / "data")
+    _distill(stories_path, second, "--steps", "1", "--lr", "1e-9", "--resume", "--answer-rounds", "2",
+             "--greedy-fraction", "1.0", "--init-from", str(first / "checkpoint.pt"))
+    after = load_parts(second / "data")
+    assert sorted(after.prompt_index.tolist()) == list(range(20))
+    answers = {a.prompt_index: a.tokens for a in map(after.answer, range(after.num_sequences))}
+    assert any(answers[i] != answers[10 + i] for i in range(10))  # sampled, not the greedy repeat
+    meta1, meta2 = _meta(first)["training"], _meta(second)["training"]
+    # one step at lr 1e-9 from the first run's best weights: its held-out loss is where that
+    # run ended, far below what training from the target's layers starts at
+    assert meta2["heldout_initial"]["kl"] < meta1["heldout_initial"]["kl"] - 0.1
+    assert meta2["options"]["init_from"] == str(first / "checkpoint.pt")
+    _, held = _split(after, 0, 10)
+    bases = {int(after.prompt_index[j]) % 10 for j in held}
+    assert all((int(after.prompt_index[j]) % 10 in bases) == (j in held)
+               for j in range(after.num_sequences))  # both answers of a prompt on one side

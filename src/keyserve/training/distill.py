@@ -65,6 +65,8 @@ class DistillOptions:
     dropout: float = 0.1
     corpus_tokens: int = 0  # teacher-forced tokens of offline text (training/corpus.py); 0: none
     corpus_share: float = 0.2  # of the time budget, for them (after the answers)
+    answer_rounds: int = 1  # answers per prompt: rounds after the first sample at `temperature`
+    init_from: str | None = None  # another run's checkpoint.pt: start from its best weights
 
     def __post_init__(self) -> None:
         """Every option in range, and ``out`` a directory path: a ValueError naming the
@@ -77,7 +79,7 @@ class DistillOptions:
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} exists and is not a directory")
         at_least = {"layers": 1, "vocab": 1, "num_prompts": 1, "gen_tokens": 1, "teacher_top_k": 1,
-                    "gen_slots": 1, "corpus_tokens": 0, "steps": 1, "batch_tokens": 1, "threads": 1, "seed": 0}
+                    "gen_slots": 1, "corpus_tokens": 0, "answer_rounds": 1, "steps": 1, "batch_tokens": 1, "threads": 1, "seed": 0}
         for name, low in at_least.items():
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, not {getattr(self, name)}")
@@ -94,6 +96,8 @@ class DistillOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number, not {value}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"--temperature must be a number >= 0, not {self.temperature}")
+        if self.init_from is not None and not Path(self.init_from).is_file():
+            raise ValueError(f"--init-from {self.init_from} is not a file (a run's checkpoint.pt)")
         if self.init_layers is not None:
             if not all(x.strip().isdigit() for x in self.init_layers.split(",")):
                 raise ValueError(f"--init-layers must be comma-separated layer numbers, not {self.init_layers!r}")
@@ -135,7 +139,10 @@ def _encode_prompts(target: LoadedModel, n: int, seed: int) -> tuple[list[list[i
     return [bos + tok.encode(t, add_special_tokens=False) for t in story_prompts(n, seed)], False
 
 
-def _temperatures(n: int, opts: DistillOptions) -> list[float]:
+def _temperatures(n: int, opts: DistillOptions, round_: int = 0) -> list[float]:
+    """Round 0: a share answered greedily; later rounds all sample (a greedy answer repeats)."""
+    if round_ > 0:
+        return [opts.temperature] * n
     rng = random.Random(opts.seed + 1)
     return [0.0 if rng.random() < opts.greedy_fraction else opts.temperature for _ in range(n)]
 
@@ -150,25 +157,30 @@ def _stop_ids(target: LoadedModel) -> set[int]:
 def _generate(
     target: LoadedModel, teacher: DenseLlama, out: Path, opts: DistillOptions, deadline: float
 ) -> TeacherData:
-    """Answer the prompts not answered yet (all of them on a fresh run) and return all data."""
+    """Answer the (prompt, round) pairs not answered yet (all of them on a fresh run) and return
+    all data. Round r's answer to prompt i is recorded as prompt index ``r * num_prompts + i``:
+    several sampled answers per prompt are more data once the prompt set is used up."""
     data_dir = out / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     have = load_parts(data_dir)
     done = set() if have is None else set(have.prompt_index.tolist())
     prompts, _ = _encode_prompts(target, opts.num_prompts, opts.seed)
-    temps = _temperatures(len(prompts), opts)
-    todo = [i for i in range(len(prompts)) if i not in done]
-    if todo:
+    n = len(prompts)
+    for round_ in range(opts.answer_rounds):
+        temps = _temperatures(n, opts, round_)
+        todo = [i for i in range(n) if round_ * n + i not in done]
+        if not todo or time.monotonic() >= deadline:
+            continue
         save = _part_saver(data_dir, opts.teacher_top_k)
         job = GenerationJob(
             prompts=[prompts[i] for i in todo],
             temperatures=[temps[i] for i in todo],
-            indices=todo,
+            indices=[round_ * n + i for i in todo],
             max_new_tokens=opts.gen_tokens,
             stop_ids=_stop_ids(target),
             top_k=opts.teacher_top_k,
             slots=opts.gen_slots,
-            seed=opts.seed + len(done),
+            seed=opts.seed + len(done) + round_ * 1_000_003,
         )
         generate_answers(teacher, job, deadline, save, tuner=ThreadTuner(opts.threads))
     data = load_parts(data_dir)
@@ -202,14 +214,22 @@ def _record_corpus(target: LoadedModel, teacher: DenseLlama, out: Path, opts: Di
                          deadline, opts.corpus_tokens - already, opts.teacher_top_k, opts.seed)
 
 
-def _split(data: TeacherData, seed: int) -> tuple[list[int], list[int]]:
+def _split(data: TeacherData, seed: int, num_prompts: int | None = None) -> tuple[list[int], list[int]]:
     """(train, held-out) sequence indices; held-out is ~5% of the target's answers (never
-    teacher-forced text: agreement is measured where the draft serves), at least one."""
+    teacher-forced text: agreement is measured where the draft serves), at least one. With
+    ``num_prompts``, every answer to one prompt (all rounds) falls on the same side, so the
+    held-out agreement never scores a prompt the draft trained on."""
     order = list(range(data.num_sequences))
     random.Random(seed + 2).shuffle(order)
     answers = [i for i in order if int(data.prompt_index[i]) >= 0] or order
-    k = max(1, math.ceil(HELDOUT_SHARE * len(answers))) if len(order) > 1 else 0
-    heldout = answers[:k]
+    if num_prompts:
+        base = sorted({int(data.prompt_index[i]) % num_prompts for i in answers})
+        random.Random(seed + 3).shuffle(base)
+        held_base = set(base[: max(1, math.ceil(HELDOUT_SHARE * len(base)))])
+        heldout = [i for i in answers if int(data.prompt_index[i]) % num_prompts in held_base]
+    else:
+        k = max(1, math.ceil(HELDOUT_SHARE * len(answers))) if len(order) > 1 else 0
+        heldout = answers[:k]
     held = set(heldout)
     train = [i for i in order if i not in held] or order
     return train, heldout or order[:1]
@@ -222,9 +242,12 @@ def _special_ids(target: LoadedModel) -> list[int]:
 
 
 def _head_ids(out: Path, data: TeacherData, target: LoadedModel, opts: DistillOptions) -> torch.Tensor:
-    """The pruned vocabulary; a resumed run keeps the one its checkpoint was trained with."""
+    """The pruned vocabulary; a resumed run keeps the one its checkpoint was trained with, and
+    a run started from another's weights (``--init-from``) that run's."""
     ckpt = out / "checkpoint.pt"
-    if opts.resume and ckpt.is_file():
+    if not (opts.resume and ckpt.is_file()) and opts.init_from is not None:
+        ckpt = Path(opts.init_from)
+    if ckpt.is_file() and (opts.resume or opts.init_from is not None):
         payload = torch.load(ckpt, map_location="cpu", weights_only=True)
         return torch.tensor(payload["identity"]["head_ids"], dtype=torch.int64)
     return select_vocab(data, target.config.vocab_size, opts.vocab, _special_ids(target))
@@ -270,7 +293,11 @@ def distill_draft(opts: DistillOptions) -> Path:
     head_map = index_map(head_ids, target.config.vocab_size)
     layer_ids = init_layer_ids(opts.init_layers, opts.layers, target.config.num_hidden_layers)
     draft = DenseLlama.from_serving(target.model, layer_ids, head_ids, trainable=True)
-    train_seqs, heldout_seqs = _split(data, opts.seed)
+    fresh = not (opts.resume and (out / "checkpoint.pt").is_file())
+    if fresh and opts.init_from is not None:
+        _start_from(draft, Path(opts.init_from), layer_ids)
+    rounds = opts.answer_rounds > 1 or int(data.prompt_index.max()) >= opts.num_prompts
+    train_seqs, heldout_seqs = _split(data, opts.seed, opts.num_prompts if rounds else None)
     cfg = TrainConfig(
         max_steps=opts.steps,
         batch_tokens=opts.batch_tokens,
@@ -299,6 +326,20 @@ def distill_draft(opts: DistillOptions) -> Path:
     export_draft(draft, meta, out)
     print(_summary(out, result, time.monotonic() - t0), file=sys.stderr)
     return out
+
+
+def _start_from(draft: DenseLlama, path: Path, layer_ids: list[int]) -> None:
+    """Copy another run's best weights into ``draft`` (same layers and vocabulary): training on
+    more data continues from where that run ended instead of from the target's layers."""
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if payload["identity"]["layers"] != layer_ids:
+        raise ValueError(f"--init-from {path} was trained from layers {payload['identity']['layers']}, "
+                         f"not {layer_ids}")
+    weights = payload["best"]["weights"] or payload["weights"]
+    params = dict(draft.named_parameters())
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
 
 
 def _tokens_of(data: TeacherData, answers: bool) -> int:
