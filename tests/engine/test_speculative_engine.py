@@ -109,7 +109,7 @@ def test_rollback_leaves_exactly_the_accepted_kv(speculative: LLM, stories_path:
     as accepted (the counts), and dropping ``bm.truncate`` after a verification in
     ``KVCore`` (the block table one step later)."""
     engine = speculative.engine
-    rid = engine.add_request("lily and ben went to the park", SamplingParams(max_tokens=40, temperature=0.8, seed=5,
+    rid = engine.add_request("lily and ben went to the park", SamplingParams(max_tokens=40, temperature=0.8, seed=6,
                                                                              ignore_eos=True))
     seq = engine.requests[rid].seqs[0]
     emitted = []

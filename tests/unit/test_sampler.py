@@ -17,10 +17,11 @@ from scipy import stats
 
 from keyserve.core.sampler import (
     SamplingTensors,
-    exponential_noise,
+    inverse_cdf,
     make_generator,
     processed_logits,
     processed_probs,
+    row_uniforms,
     sample,
 )
 from keyserve.core.sampling_params import SamplingParams
@@ -165,12 +166,25 @@ def test_make_generator() -> None:
     assert not torch.equal(torch.rand(5, generator=make_generator(7, 0)), torch.rand(5, generator=c))
 
 
-def test_exponential_noise_rows() -> None:
-    g = make_generator(5, 0)
-    noise = exponential_noise(3, 1000, [None, g, None], "cpu")
-    assert noise.shape == (3, 1000) and bool((noise > 0).all())
-    again = exponential_noise(1, 1000, [make_generator(5, 0)], "cpu")
-    assert torch.equal(noise[1], again[0])
+def test_row_uniforms_seeded_rows_draw_alone() -> None:
+    """A seeded row's uniform comes from its own generator (one value per draw, float64),
+    whatever shares the batch; unseeded rows use the global RNG."""
+    u = row_uniforms([None, make_generator(5, 0), None], "cpu")
+    assert u.dtype == torch.float64 and u.shape == (3,) and bool(((u >= 0) & (u < 1)).all())
+    alone = row_uniforms([make_generator(5, 0)], "cpu")
+    assert u[1] == alone[0] == torch.rand(1, dtype=torch.float64, generator=make_generator(5, 0))[0]
+    g = make_generator(9, 0)
+    first, second = row_uniforms([g], "cpu"), row_uniforms([g], "cpu")
+    assert first[0] != second[0]  # the generator advances one value per draw
+
+
+def test_inverse_cdf_sums_in_float64() -> None:
+    """A token of probability 1e-9 after a token of 1: in float32 the cumulative sum rounds its
+    interval away and it can never be drawn; in float64 the top of [0, 1) draws it."""
+    probs = torch.tensor([[1.0, 1e-9]])
+    top = torch.tensor([1.0 - 5e-10], dtype=torch.float64)
+    assert inverse_cdf(probs, top).tolist() == [1]
+    assert inverse_cdf(probs, torch.tensor([0.5], dtype=torch.float64)).tolist() == [0]
 
 
 @pytest.mark.parametrize(
@@ -184,8 +198,8 @@ def test_exponential_noise_rows() -> None:
     ],
     ids=["t1", "t0.5", "t2-topk", "topp", "minp"],
 )
-def test_exponential_race_frequencies_match_probs(params: dict) -> None:
-    """argmax(p / E) with E ~ Exp(1) is a draw from p: chi-square over 40k draws."""
+def test_sampled_frequencies_match_probs(params: dict) -> None:
+    """Inverse-CDF draws are draws from p: chi-square over 40k draws."""
     torch.manual_seed(11)
     vocab, rows = 8, 40_000
     base = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])

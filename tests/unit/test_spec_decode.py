@@ -14,9 +14,9 @@ from keyserve.core.spec_decode import (
     AdaptiveK,
     expected_speedup,
     expected_tokens,
-    exponential_race,
     rejection_sample,
 )
+from keyserve.core.sampler import inverse_cdf
 
 N = 100_000  # draws per distribution test
 ALPHA = 1e-3  # significance; seeds are fixed, so each test is deterministic
@@ -94,7 +94,7 @@ def markov_pair(p: torch.Tensor, q: torch.Tensor, K: int, start: int, g: torch.G
         kwargs = {}
         if explicit:
             kwargs = dict(accept_uniforms=torch.rand(B, K, generator=g),
-                          draw_uniforms=torch.rand(B, V, generator=g))
+                          draw_uniforms=torch.rand(B, dtype=torch.float64, generator=g))
         else:
             kwargs = dict(generator=g)
         return rejection_sample(p[ctxs[:, :K]], q[ctxs], draft_ids, **kwargs).output_token_ids
@@ -135,13 +135,13 @@ def test_chi_square_has_power() -> None:
     assert chi_square_pvalue(torch.bincount(exact, minlength=5), near_q) < ALPHA
 
 
-def test_exponential_race_distribution_and_zero_mass() -> None:
+def test_inverse_cdf_distribution_and_zero_mass() -> None:
     g = torch.Generator().manual_seed(3)
     probs = torch.tensor([0.0, 3.0, 1.0, 0.0, 4.0])  # unnormalised is fine
-    u = torch.rand(N, 5, generator=g)
+    u = torch.rand(N, dtype=torch.float64, generator=g)
     u[:10] = 0.0  # extreme uniforms must not pick a zero-probability token
-    u[10:20] = 1.0
-    tok = exponential_race(probs.expand(N, -1), u)
+    u[10:20] = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+    tok = inverse_cdf(probs.expand(N, -1), u)
     assert chi_square_pvalue(torch.bincount(tok, minlength=5), probs) > ALPHA
 
 
@@ -169,7 +169,7 @@ def test_greedy_is_exact_target_argmax_matching() -> None:
         assert int(out.num_accepted[b]) == a
     # Uniforms of exactly 1 (never produced by torch.rand) still give the target's tokens.
     out1 = rejection_sample(one_hot_p, one_hot_q, draft_ids, torch.ones(B, K),
-                            torch.rand(B, V, generator=g), num_draft=num_draft)
+                            torch.rand(B, dtype=torch.float64, generator=g), num_draft=num_draft)
     emitted = out1.output_token_ids
     assert bool(((emitted == target_argmax) | (emitted == PAD_TOKEN_ID)).all())
 
@@ -186,7 +186,7 @@ def test_accept_rule_hand_made() -> None:
     ids = torch.tensor([[0, 2], [0, 2], [1, 2]])
     target_probs[2, 1] = torch.tensor([0.2, 0.2, 0.0, 0.6])
     r = torch.tensor([[0.4, 0.7], [0.6, 0.0], [0.99, 0.0]])
-    u = torch.rand(3, V, generator=torch.Generator().manual_seed(0))
+    u = torch.rand(3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     out = rejection_sample(draft_probs, target_probs, ids, r, u)
     assert out.num_accepted.tolist() == [1, 0, 1]
     # Recovered tokens come from norm(max(0, q − p)): row 0 position 1 -> {0, 1} minus
@@ -224,7 +224,7 @@ def test_residual_fallback_when_q_equals_p() -> None:
     q = dist(0.1, 0.2, 0.3, 0.4)
     ids = sample_rows(q.expand(N, 1, -1), g)
     out = rejection_sample(q.expand(N, 1, -1), q.expand(N, 2, -1), ids, torch.ones(N, 1),
-                           torch.rand(N, 4, generator=g))
+                           torch.rand(N, dtype=torch.float64, generator=g))
     assert bool((out.num_accepted == 0).all())
     assert chi_square_pvalue(torch.bincount(out.output_token_ids[:, 0], minlength=4), q) > ALPHA
 

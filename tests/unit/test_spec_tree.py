@@ -39,11 +39,11 @@ import torch
 from keyserve.core.sampler import SamplingTensors, make_generator, processed_probs
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.spec_decode import PAD_TOKEN_ID, verify_drafts
+from keyserve.core.sampler import inverse_cdf
 from keyserve.core.spec_tree import (
     MAX_NODES,
     Tree,
     TreeShape,
-    inverse_cdf,
     item_masks,
     kv_moves,
     node_depths,

@@ -12,9 +12,9 @@ device the logits live on: greedy batches only compare drafts with the target's 
 ones gather p and q at the drafted tokens and build the residual only for rows that reject.
 
 Everything random comes in as explicit uniforms (or from a ``torch.Generator``) so the sampler is
-a pure, testable function. Categorical draws use the exponential race (equivalently Gumbel-max):
-``argmax_i π_i / E_i`` with ``E_i = −log U_i ~ Exp(1)`` picks i with probability π_i / Σπ, with no
-normalisation and never a zero-probability token.
+a pure, testable function. Categorical draws are by inverse CDF (``core.sampler.inverse_cdf``):
+one float64 uniform per row picks i with probability π_i / Σπ, with no normalisation and never
+a zero-probability token.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from keyserve.core.sampler import SamplingTensors, processed_probs
+from keyserve.core.sampler import SamplingTensors, inverse_cdf, processed_probs
 
 PAD_TOKEN_ID = -1
 
@@ -34,27 +34,12 @@ class RejectionOutput(NamedTuple):
     num_accepted: torch.Tensor  # [num_seqs] int64: accepted draft tokens (emitted = this + 1)
 
 
-def exponential_race(
-    probs: torch.Tensor,  # [..., vocab] non-negative, need not sum to 1
-    uniforms: torch.Tensor,  # [..., vocab] in [0, 1)
-) -> torch.Tensor:  # [...] int64
-    """One categorical draw per row from explicit uniforms (see the module docstring).
-
-    Rows must have some positive mass; tokens with zero probability never win.
-    """
-    tiny = torch.finfo(torch.float32).tiny
-    # E in [tiny, 88]: U = 0 and U = 1 (−log 1 = −0.0 would flip signs) both stay finite.
-    expo = (-torch.log(uniforms.to(torch.float32).clamp(min=tiny))).clamp(min=tiny)
-    ratio = probs.to(torch.float32) / expo
-    return torch.where(probs > 0, ratio, -1.0).argmax(dim=-1)
-
-
 def rejection_sample(
     draft_probs: torch.Tensor,  # [num_seqs, max_draft, vocab] p at each draft position
     target_probs: torch.Tensor,  # [num_seqs, max_draft + 1, vocab] q at each position
     draft_token_ids: torch.Tensor,  # [num_seqs, max_draft] int64 (anything past num_draft)
     accept_uniforms: torch.Tensor | None = None,  # [num_seqs, max_draft] in [0, 1)
-    draw_uniforms: torch.Tensor | None = None,  # [num_seqs, vocab] in [0, 1), recovered/bonus
+    draw_uniforms: torch.Tensor | None = None,  # [num_seqs] in [0, 1), recovered/bonus
     *,
     num_draft: torch.Tensor | None = None,  # [num_seqs] int64 in 0..max_draft; default max_draft
     generator: torch.Generator | None = None,  # draws whichever uniforms were not given
@@ -81,7 +66,7 @@ def rejection_sample(
     if accept_uniforms is None:
         accept_uniforms = torch.rand(num_seqs, max_draft, generator=generator, device=dev)
     if draw_uniforms is None:
-        draw_uniforms = torch.rand(num_seqs, vocab, generator=generator, device=dev)
+        draw_uniforms = torch.rand(num_seqs, dtype=torch.float64, generator=generator, device=dev)
     if num_draft is None:
         num_draft = torch.full((num_seqs,), max_draft, dtype=torch.long, device=dev)
     ids = draft_token_ids.to(dev, torch.long).clamp(min=0)  # [num_seqs, max_draft]
@@ -93,7 +78,7 @@ def rejection_sample(
     dist = target_probs[rows, num_accepted].float()  # [num_seqs, vocab] q where each row stops
     if max_draft > 0:
         dist = with_residuals(dist, draft_probs.to(dev), num_accepted, num_accepted < num_draft.to(dev))
-    token = exponential_race(dist, draw_uniforms)  # [num_seqs]
+    token = inverse_cdf(dist, draw_uniforms)  # [num_seqs]
     return RejectionOutput(emitted(ids, num_accepted, token), num_accepted)
 
 
@@ -173,7 +158,7 @@ def verify_drafts(
         q = processed_probs(target_logits.reshape(-1, vocab).float(), st.expand(positions))
         # a seeded row draws as many accept uniforms as it has drafts, not the batch's widest
         accept_u = uniforms(num_seqs, max_draft, generators, dev, widths=num_draft)  # [num_seqs, max_draft]
-        draw_u = uniforms(num_seqs, vocab, generators, dev)  # [num_seqs, vocab]
+        draw_u = uniforms(num_seqs, 1, generators, dev, dtype=torch.float64)[:, 0]  # [num_seqs]
         out, num_accepted = rejection_sample(draft_probs, q.view(num_seqs, positions, vocab), ids,
                                              accept_u, draw_u, num_draft=num_draft)
     logprobs = None
@@ -189,19 +174,20 @@ def uniforms(
     generators: list[torch.Generator | None],
     device: torch.device | str,
     widths: torch.Tensor | None = None,  # [num_rows] int64: values a seeded row draws (<= width)
-) -> torch.Tensor:  # [num_rows, width] float32 in [0, 1)
+    dtype: torch.dtype = torch.float32,  # float64 for inverse-CDF draws (``core.sampler.inverse_cdf``)
+) -> torch.Tensor:  # [num_rows, width] in [0, 1)
     """U(0, 1) per row: one batched draw from the global RNG, then the rows with a generator
     redrawn from it, so a seeded request's stream depends on nothing else in the batch. With
     ``widths`` a seeded row draws only its own count (the rest of its row is never read): the
     accept uniforms of a row with 2 drafts must not depend on a neighbour drafting 4 (found by
     a hostile-input sweep: the seeded row's later draws all shifted)."""
-    out = torch.rand(num_rows, width, device=device)
+    out = torch.rand(num_rows, width, dtype=dtype, device=device)
     seeded = [row for row, gen in enumerate(generators) if gen is not None]
     counts = widths.tolist() if widths is not None and seeded else None
     for row in seeded:
         gen = generators[row]
         n = width if counts is None else min(int(counts[row]), width)
-        out[row, :n] = torch.rand(n, generator=gen, device=gen.device)
+        out[row, :n] = torch.rand(n, dtype=dtype, generator=gen, device=gen.device)
     return out
 
 

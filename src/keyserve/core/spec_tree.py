@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from keyserve.core.sampler import GREEDY_BELOW, SamplingTensors, processed_probs, row_argmax
+from keyserve.core.sampler import GREEDY_BELOW, SamplingTensors, inverse_cdf, processed_probs, row_argmax
 from keyserve.core.spec_decode import PAD_TOKEN_ID, uniforms
 
 # The kernels' masks see 63 slots (bits 0..62 of an int64: the row's own slot and the 62
@@ -281,22 +281,6 @@ class TreeVerifyOutput(NamedTuple):
     logprobs: torch.Tensor | None  # [num_seqs, depth_max + 1] raw-model logprobs of emitted tokens (0 after)
 
 
-def inverse_cdf(
-    probs: torch.Tensor,  # [num_rows, vocab] non-negative, need not sum to 1
-    u: torch.Tensor,  # [num_rows] in [0, 1)
-) -> torch.Tensor:  # [num_rows] int64
-    """The first token whose cumulative mass exceeds ``u`` times the row's total: a draw from
-    probs / sum. A zero-probability token never is that first one (its cumulative mass equals
-    the token's before it, or is 0 for token 0, and 0 > u·total never holds); when rounding puts
-    u·total at or past the last cumulative value, the row's last positive token is taken, not
-    the vocabulary's last (which may have zero probability)."""
-    cdf = probs.float().cumsum(dim=-1)  # [num_rows, vocab], non-decreasing in float too
-    below = (cdf <= u.float()[:, None] * cdf[:, -1:]).sum(dim=-1)  # [num_rows] first index above
-    vocab = probs.shape[-1]
-    last_positive = (vocab - 1) - (probs > 0).flip(-1).to(torch.uint8).argmax(dim=-1)
-    return torch.where(below < vocab, below, last_positive)
-
-
 def tree_depths(
     parents: torch.Tensor,  # [num_seqs, max_nodes + 1] int64, -1 for the root and padding
 ) -> torch.Tensor:  # [num_seqs, max_nodes + 1] int64 (0 for the root and padding)
@@ -349,7 +333,8 @@ def verify_tree(
     greedy = st.temperature.to(dev) < GREEDY_BELOW  # [num_seqs]
     u = None
     if not st.all_greedy:  # a seeded row draws its own depth + 1 values, whatever its batch
-        u = uniforms(num_seqs, depth_max + 1, generators, dev, widths=row_depth + 1)  # [num_seqs, depth_max + 1]
+        u = uniforms(num_seqs, depth_max + 1, generators, dev, widths=row_depth + 1,
+                     dtype=torch.float64)  # [num_seqs, depth_max + 1]
 
     seqs = torch.arange(num_seqs, device=dev)
     cur = torch.zeros(num_seqs, dtype=torch.long, device=dev)  # [num_seqs] the node emitting now

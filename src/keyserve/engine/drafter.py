@@ -36,7 +36,7 @@ from keyserve.config import SpeculativeConfig
 from keyserve.core.block_manager import BlockManager
 from keyserve.core.generator_marks import GeneratorMarks
 from keyserve.core.kv_policy import KVBudget
-from keyserve.core.sampler import SamplingTensors, exponential_noise, make_generator, processed_probs, row_argmax
+from keyserve.core.sampler import SamplingTensors, inverse_cdf, make_generator, processed_probs, row_argmax, row_uniforms
 from keyserve.core.sequence import Sequence
 from keyserve.engine.kv_budget.resolve import resolve_budget
 from keyserve.engine.draft_chain import greedy_tokens, next_decode_inputs, top_tokens, tree_level_inputs
@@ -396,7 +396,7 @@ class Drafter:
                     st = SamplingTensors.from_params([targets[i].params for i in batch], logits.device)
                     p = processed_probs(logits, st)  # [n, vocab]
                     gens = [self.generators[targets[i].seq_id] for i in batch]
-                    drawn = row_argmax(p / exponential_noise(len(batch), p.shape[-1], gens, p.device))
+                    drawn = inverse_cdf(p, row_uniforms(gens, p.device))
                     if probs is None:
                         probs = torch.zeros(b, k_max, p.shape[-1], dtype=torch.float32, device=p.device)
                     probs[torch.tensor(batch, device=p.device), step] = p  # one copy for the batch
