@@ -189,6 +189,9 @@ def _add_distill_args(p: argparse.ArgumentParser) -> None:
                    help="answers per prompt: rounds after the first all sample at --temperature")
     p.add_argument("--init-from", default=None,
                    help="another run's checkpoint.pt: train from its best weights (same layers and vocabulary)")
+    p.add_argument("--keep", choices=["best", "last"], default="best",
+                   help="export the best held-out evaluation's weights or the last step's (after --init-from "
+                        "the held-out answers may hold ones the other run trained on, which favours early steps)")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--batch-tokens", type=int, default=2048, help="training tokens per step")
     p.add_argument("--lr", type=float, default=1e-3)

@@ -319,3 +319,18 @@ def test_answer_rounds_add_sampled_answers_and_init_from_starts_from_a_run(
     bases = {int(after.prompt_index[j]) % 10 for j in held}
     assert all((int(after.prompt_index[j]) % 10 in bases) == (j in held)
                for j in range(after.num_sequences))  # both answers of a prompt on one side
+
+
+def test_keep_last_exports_the_final_step_not_the_best(stories_path: str, tmp_path: Path) -> None:
+    """At lr 3 training diverges, so the best held-out evaluation is the initial one; ``--keep
+    last`` exports the final step's weights (what the checkpoint holds) and records that step."""
+    _distill(stories_path, tmp_path, "--steps", "6", "--lr", "3", "--keep", "last")
+    payload = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert payload["best"]["step"] == 0  # diverged: the best is where it started
+    meta = _meta(tmp_path)["training"]
+    assert meta["kept_step"] == meta["steps"] == 6
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        exported = f.get_tensor("model.norm.weight")
+    final = payload["weights"]["norm.weight"].to(exported.dtype)
+    best = payload["best"]["weights"]["norm.weight"].to(exported.dtype)
+    assert torch.equal(exported, final) and not torch.equal(exported, best)

@@ -67,6 +67,7 @@ class DistillOptions:
     corpus_share: float = 0.2  # of the time budget, for them (after the answers)
     answer_rounds: int = 1  # answers per prompt: rounds after the first sample at `temperature`
     init_from: str | None = None  # another run's checkpoint.pt: start from its best weights
+    keep: str = "best"  # export the best held-out evaluation's weights, or the "last" step's
 
     def __post_init__(self) -> None:
         """Every option in range, and ``out`` a directory path: a ValueError naming the
@@ -96,6 +97,8 @@ class DistillOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number, not {value}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"--temperature must be a number >= 0, not {self.temperature}")
+        if self.keep not in ("best", "last"):
+            raise ValueError(f"--keep must be best or last, not {self.keep!r}")
         if self.init_from is not None and not Path(self.init_from).is_file():
             raise ValueError(f"--init-from {self.init_from} is not a file (a run's checkpoint.pt)")
         if self.init_layers is not None:
@@ -307,6 +310,7 @@ def distill_draft(opts: DistillOptions) -> Path:
         seed=opts.seed,
         max_threads=opts.threads,
         dropout=opts.dropout,
+        keep=opts.keep,
     )
     identity = {"layers": layer_ids, "head_ids": head_ids.tolist(), "target": str(target.path)}
     result = train_draft(

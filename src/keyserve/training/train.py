@@ -38,6 +38,7 @@ class TrainConfig:
     dropout: float = 0.1
     seed: int = 0
     max_threads: int = 2
+    keep: str = "best"  # weights returned: "best" held-out evaluation, or "last" (the final step's)
 
 
 @dataclass
@@ -56,7 +57,7 @@ class TrainResult:
     first_loss: float
     last_loss: float
     initial_eval: EvalStats
-    final_eval: EvalStats  # of the weights kept (the best held-out evaluation)
+    final_eval: EvalStats  # of the weights kept (the best held-out evaluation, or the last)
     kept_step: int
     history: list[dict[str, float]] = field(default_factory=list)
 
@@ -271,9 +272,11 @@ def train_draft(
     final = evaluate(model, heldout, head_ids)
     best.offer(model, final, state["step"])
     state["history"].append({"step": state["step"], "loss": ema or 0.0, **asdict(final)})
-    state["kept_step"] = best.step
+    keep_last = cfg.keep == "last"
+    state["kept_step"] = state["step"] if keep_last else best.step
     checkpoint.save(model, opt, state, best)
-    best.restore(model)
+    if not keep_last:
+        best.restore(model)
     return TrainResult(
         steps=state["step"],
         train_seconds=state["elapsed"],
@@ -281,7 +284,7 @@ def train_draft(
         first_loss=state.get("first_loss", float("nan")),
         last_loss=state.get("last_loss", float("nan")),
         initial_eval=initial,
-        final_eval=best.stats or final,
-        kept_step=best.step,
+        final_eval=final if keep_last else (best.stats or final),
+        kept_step=state["kept_step"],
         history=state["history"],
     )
