@@ -106,9 +106,12 @@ def _budgets_equal_one_process(model: str, tp: int, max_tokens: int, check_held:
         got = ray_llm.generate(prompts, params)
     for w, g, p in zip(want, got, params, strict=True):
         assert g.token_ids == w.token_ids, (p.kv_policy, p.temperature)
-        # Another eviction in any (layer, head) moves the log-probabilities far more than this.
+        # Another eviction in any (layer, head) moves the log-probabilities far more than this
+        # (a near-tied H2O eviction at TP 2 moved one by 2.8e-3, docs/kv-budgets.md). The
+        # relative part covers the all-reduce's float order on a logprob of -4: 1.8e-4 apart
+        # for the window policy, which evicts by position alone (seen 2026-11-29).
         torch.testing.assert_close(torch.tensor(g.outputs[0].logprobs), torch.tensor(w.outputs[0].logprobs),
-                                   atol=1e-4, rtol=0, msg=lambda m: f"{p.kv_policy}: {m}")
+                                   atol=1e-4, rtol=1e-4, msg=lambda m: f"{p.kv_policy}: {m}")
         if check_held:
             assert g.stats.kv_tokens_held == w.stats.kv_tokens_held
         assert g.stats.kv_tokens_evicted == w.stats.kv_tokens_evicted > 10
