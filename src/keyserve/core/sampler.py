@@ -118,21 +118,36 @@ def processed_probs(
     return probs
 
 
+def uniforms(
+    num_rows: int,
+    width: int,
+    generators: list[torch.Generator | None],
+    device: torch.device | str,
+    widths: torch.Tensor | None = None,  # [num_rows] int64: values a seeded row draws (<= width)
+    dtype: torch.dtype = torch.float32,  # float64 for inverse-CDF draws (``inverse_cdf``)
+) -> torch.Tensor:  # [num_rows, width] in [0, 1)
+    """U(0, 1) per row: one batched draw from the global RNG, then the rows with a generator
+    redrawn from it, so a seeded request's stream depends on nothing else in the batch. With
+    ``widths`` a seeded row draws only its own count (the rest of its row is never read): the
+    accept uniforms of a row with 2 drafts must not depend on a neighbour drafting 4 (found by
+    a hostile-input sweep: the seeded row's later draws all shifted)."""
+    out = torch.rand(num_rows, width, dtype=dtype, device=device)
+    seeded = [row for row, gen in enumerate(generators) if gen is not None]
+    counts = widths.tolist() if widths is not None and seeded else None
+    for row in seeded:
+        gen = generators[row]
+        n = width if counts is None else min(int(counts[row]), width)
+        out[row, :n] = torch.rand(n, dtype=dtype, generator=gen, device=gen.device)
+    return out
+
+
 def row_uniforms(
     generators: list[torch.Generator | None], device: torch.device | str
 ) -> torch.Tensor:  # [num_rows] float64 in [0, 1)
-    """One U(0, 1) per row, float64 (53 bits: no token's share of [0, 1) is rounded to a
-    coarser grid than its float32 probability): rows with a generator draw from it, the rest
-    from the global RNG in one call; a seeded row's stream depends on nothing else in the batch."""
-    out = torch.empty(len(generators), dtype=torch.float64, device=device)
-    unseeded = [row for row, gen in enumerate(generators) if gen is None]
-    if unseeded:
-        out[torch.tensor(unseeded, device=device)] = torch.rand(
-            len(unseeded), dtype=torch.float64, device=device)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            out[row] = torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device)[0]
-    return out
+    """One U(0, 1) per row for an inverse-CDF draw, float64 (53 bits: no token's share of
+    [0, 1) is rounded to a coarser grid than its float32 probability); ``uniforms``' rule for
+    seeded rows."""
+    return uniforms(len(generators), 1, generators, device, dtype=torch.float64)[:, 0]
 
 
 def inverse_cdf(

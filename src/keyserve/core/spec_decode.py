@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from keyserve.core.sampler import SamplingTensors, inverse_cdf, processed_probs
+from keyserve.core.sampler import SamplingTensors, inverse_cdf, processed_probs, row_uniforms, uniforms
 
 PAD_TOKEN_ID = -1
 
@@ -158,7 +158,7 @@ def verify_drafts(
         q = processed_probs(target_logits.reshape(-1, vocab).float(), st.expand(positions))
         # a seeded row draws as many accept uniforms as it has drafts, not the batch's widest
         accept_u = uniforms(num_seqs, max_draft, generators, dev, widths=num_draft)  # [num_seqs, max_draft]
-        draw_u = uniforms(num_seqs, 1, generators, dev, dtype=torch.float64)[:, 0]  # [num_seqs]
+        draw_u = row_uniforms(generators, dev)  # [num_seqs] float64
         out, num_accepted = rejection_sample(draft_probs, q.view(num_seqs, positions, vocab), ids,
                                              accept_u, draw_u, num_draft=num_draft)
     logprobs = None
@@ -166,29 +166,6 @@ def verify_drafts(
         logprobs = torch.log_softmax(target_logits.float(), dim=-1).gather(-1, out.clamp(min=0)[..., None])
         logprobs = logprobs.squeeze(-1)
     return VerifyOutput(out, num_accepted, logprobs)
-
-
-def uniforms(
-    num_rows: int,
-    width: int,
-    generators: list[torch.Generator | None],
-    device: torch.device | str,
-    widths: torch.Tensor | None = None,  # [num_rows] int64: values a seeded row draws (<= width)
-    dtype: torch.dtype = torch.float32,  # float64 for inverse-CDF draws (``core.sampler.inverse_cdf``)
-) -> torch.Tensor:  # [num_rows, width] in [0, 1)
-    """U(0, 1) per row: one batched draw from the global RNG, then the rows with a generator
-    redrawn from it, so a seeded request's stream depends on nothing else in the batch. With
-    ``widths`` a seeded row draws only its own count (the rest of its row is never read): the
-    accept uniforms of a row with 2 drafts must not depend on a neighbour drafting 4 (found by
-    a hostile-input sweep: the seeded row's later draws all shifted)."""
-    out = torch.rand(num_rows, width, dtype=dtype, device=device)
-    seeded = [row for row, gen in enumerate(generators) if gen is not None]
-    counts = widths.tolist() if widths is not None and seeded else None
-    for row in seeded:
-        gen = generators[row]
-        n = width if counts is None else min(int(counts[row]), width)
-        out[row, :n] = torch.rand(n, dtype=dtype, generator=gen, device=gen.device)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

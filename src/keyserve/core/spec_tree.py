@@ -28,7 +28,7 @@ top-w (deterministic given the prefix), a node is accepted exactly when the targ
 on one of the children: probability q(children), and no exact method can accept more often,
 since whatever it emits must be distributed as q. The draft's probabilities are never read.
 
-Draws are by inverse CDF, one uniform per visited level, from ``spec_decode.uniforms`` (a
+Draws are by inverse CDF, one uniform per visited level, from ``sampler.uniforms`` (a
 seeded sequence draws from its own generator, exactly its tree's depth + 1 values, so it emits
 the same whatever shares its batch). A token of zero probability is never drawn
 (``inverse_cdf``).
@@ -43,8 +43,8 @@ from typing import NamedTuple
 
 import torch
 
-from keyserve.core.sampler import GREEDY_BELOW, SamplingTensors, inverse_cdf, processed_probs, row_argmax
-from keyserve.core.spec_decode import PAD_TOKEN_ID, uniforms
+from keyserve.core.sampler import GREEDY_BELOW, SamplingTensors, inverse_cdf, processed_probs, row_argmax, uniforms
+from keyserve.core.spec_decode import PAD_TOKEN_ID
 
 # The kernels' masks see 63 slots (bits 0..62 of an int64: the row's own slot and the 62
 # before it); the root is one of them, so a tree has at most 62 nodes.

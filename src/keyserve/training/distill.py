@@ -244,15 +244,12 @@ def _special_ids(target: LoadedModel) -> list[int]:
     return sorted(int(i) for i in ids if i is not None)
 
 
-def _head_ids(out: Path, data: TeacherData, target: LoadedModel, opts: DistillOptions) -> torch.Tensor:
-    """The pruned vocabulary; a resumed run keeps the one its checkpoint was trained with, and
-    a run started from another's weights (``--init-from``) that run's."""
-    ckpt = out / "checkpoint.pt"
-    if not (opts.resume and ckpt.is_file()) and opts.init_from is not None:
-        ckpt = Path(opts.init_from)
-    if ckpt.is_file() and (opts.resume or opts.init_from is not None):
-        payload = torch.load(ckpt, map_location="cpu", weights_only=True)
-        return torch.tensor(payload["identity"]["head_ids"], dtype=torch.int64)
+def _head_ids(data: TeacherData, target: LoadedModel, opts: DistillOptions,
+              source: dict | None) -> torch.Tensor:
+    """The pruned vocabulary: the one ``source`` was trained with (the run's own checkpoint when
+    resuming, another run's with ``--init-from``), else picked from the data."""
+    if source is not None:
+        return torch.tensor(source["identity"]["head_ids"], dtype=torch.int64)
     return select_vocab(data, target.config.vocab_size, opts.vocab, _special_ids(target))
 
 
@@ -277,12 +274,14 @@ def distill_draft(opts: DistillOptions) -> Path:
     out = Path(opts.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     (out / ".gitignore").write_text(GITIGNORE)
-    if not opts.resume and ((out / "checkpoint.pt").is_file() or any((out / "data").glob("part-*"))):
+    own = out / "checkpoint.pt"
+    if not opts.resume and (own.is_file() or any((out / "data").glob("part-*"))):
         raise ValueError(f"{out} holds an earlier run's data; pass --resume or use another --out")
     ThreadTuner(opts.threads)
     target = load_model(opts.target, torch.float32, "cpu")
     teacher = DenseLlama.from_serving(target.model)
-    if opts.resume and (out / "checkpoint.pt").is_file():
+    resuming = opts.resume and own.is_file()
+    if resuming:
         data = load_parts(out / "data")  # training had started: the data is final
         if data is None:
             raise ValueError(f"{out}/checkpoint.pt exists but {out}/data/ is empty")
@@ -292,13 +291,13 @@ def distill_draft(opts: DistillOptions) -> Path:
                 target, teacher, out, opts, data, t0 + (opts.gen_share + opts.corpus_share) * budget_s):
             data = load_parts(out / "data") or data
     gen_s = time.monotonic() - t0
-    head_ids = _head_ids(out, data, target, opts)
+    init = None if resuming or opts.init_from is None else _load_checkpoint(Path(opts.init_from))
+    head_ids = _head_ids(data, target, opts, _load_checkpoint(own) if resuming else init)
     head_map = index_map(head_ids, target.config.vocab_size)
     layer_ids = init_layer_ids(opts.init_layers, opts.layers, target.config.num_hidden_layers)
     draft = DenseLlama.from_serving(target.model, layer_ids, head_ids, trainable=True)
-    fresh = not (opts.resume and (out / "checkpoint.pt").is_file())
-    if fresh and opts.init_from is not None:
-        _start_from(draft, Path(opts.init_from), layer_ids)
+    if init is not None:
+        _start_from(draft, init, layer_ids)
     rounds = opts.answer_rounds > 1 or int(data.prompt_index.max()) >= opts.num_prompts
     train_seqs, heldout_seqs = _split(data, opts.seed, opts.num_prompts if rounds else None)
     cfg = TrainConfig(
@@ -315,7 +314,7 @@ def distill_draft(opts: DistillOptions) -> Path:
     identity = {"layers": layer_ids, "head_ids": head_ids.tolist(), "target": str(target.path)}
     result = train_draft(
         draft, data, train_seqs, heldout_seqs, head_ids, head_map, cfg,
-        Checkpoint(out / "checkpoint.pt", identity), opts.resume,
+        Checkpoint(own, identity), opts.resume,
     )
     meta = DraftMeta(
         target=opts.target or DEFAULT_MODEL_NAME,
@@ -332,14 +331,17 @@ def distill_draft(opts: DistillOptions) -> Path:
     return out
 
 
-def _start_from(draft: DenseLlama, path: Path, layer_ids: list[int]) -> None:
-    """Copy another run's best weights into ``draft`` (same layers and vocabulary): training on
-    more data continues from where that run ended instead of from the target's layers."""
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    if payload["identity"]["layers"] != layer_ids:
-        raise ValueError(f"--init-from {path} was trained from layers {payload['identity']['layers']}, "
-                         f"not {layer_ids}")
-    weights = payload["best"]["weights"] or payload["weights"]
+def _load_checkpoint(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _start_from(draft: DenseLlama, init: dict, layer_ids: list[int]) -> None:
+    """Copy another run's best weights (``init``: its checkpoint) into ``draft`` (same layers and
+    vocabulary): training on more data continues from where that run ended instead of from the
+    target's layers."""
+    if init["identity"]["layers"] != layer_ids:
+        raise ValueError(f"--init-from was trained from layers {init['identity']['layers']}, not {layer_ids}")
+    weights = init["best"]["weights"] or init["weights"]
     params = dict(draft.named_parameters())
     with torch.no_grad():
         for name, tensor in weights.items():
