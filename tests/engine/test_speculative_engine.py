@@ -264,7 +264,10 @@ def assert_counts_match(counts: Counter, exact: dict[tuple[int, int], float], n:
     exp = [expected[i] for i in big] + [n - sum(expected[i] for i in big)]
     if exp[-1] < 1e-9:
         obs, exp = obs[:-1], exp[:-1]
-    assert chisquare(obs, exp).pvalue > 1e-3
+    # The exact probabilities sum to 1 only up to float rounding (2.5e-8 off on one CPU, past
+    # scipy's 1.5e-8 check): scale the expected counts to the observed total.
+    scale = sum(obs) / sum(exp)
+    assert chisquare(obs, [e * scale for e in exp]).pvalue > 1e-3
 
 
 def test_a_seeded_sampled_request_is_the_same_alone_or_beside_another_speculating(

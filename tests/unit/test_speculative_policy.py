@@ -6,6 +6,8 @@ catches."""
 
 from __future__ import annotations
 
+import pytest
+
 from keyserve.config import SpeculativeConfig
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import Sequence
@@ -166,3 +168,55 @@ def test_a_trees_acceptance_counts_levels_not_nodes() -> None:
     for _ in range(20):
         other.record("r", 7, 9, 1, parents)
     assert abs(other.prior_alpha(tree=True) - 0.5) < 1e-9
+
+
+def test_the_guard_stops_speculation_that_delivers_less_than_plain_decoding() -> None:
+    """A stream of short requests: every step one sequence is new, so its first drafting step
+    (the draft reads its prompt) makes every step a catch-up, which the cost model leaves out;
+    it never measures K and its prior (1 + 0.05·K) keeps every sequence drafting. The steps
+    take 3 s against 1 s plain and accept one draft per sequence: 8 tokens per 3 s against 4
+    per 1 s. The guard (``core.spec_guard``) sees the outcome: after its 16 drafting steps it
+    turns speculation off at this batch size, with the plain steps going to both baselines.
+    Mutation caught: ``or self.guard.blocks(len(seqs), sampled)`` dropped from ``lookaheads``
+    (drafting every one of the 40 steps)."""
+    policy = _policy(k=2)
+    drafting_steps, plain_steps = _request_stream(policy, seconds=3.0, accepted=1)
+    assert 2 not in policy.costs.estimates(4) and 1 not in policy.costs.estimates(4)  # never measured
+    assert policy.guard.losses(4) == 1
+    assert drafting_steps == 16 and plain_steps == 24  # 2 baseline steps, then 16 drafting, then blocked
+
+
+def test_the_guard_counts_accepted_drafts_as_delivered_tokens() -> None:
+    """The same stream where a drafting step takes 1.5 s and every draft is accepted: 4 + 8
+    tokens per 1.5 s against 4 per 1 s pays, so the guard never turns speculation off.
+    Mutations caught: ``batch + accepted if k else batch`` → ``batch`` in ``observe_step``, and
+    ``self._step_accepted += num_accepted`` dropped from ``record`` (both read 4 tokens per
+    1.5 s, a loss)."""
+    policy = _policy(k=2)
+    drafting_steps, plain_steps = _request_stream(policy, seconds=1.5, accepted=2)
+    assert policy.guard.losses(4) == 0
+    assert drafting_steps == 38 and plain_steps == 2
+    assert policy.guard.speedup(4) == pytest.approx(12 / 1.5 / 4)
+
+
+def _request_stream(policy: SpeculativeDecoder, seconds: float, accepted: int) -> tuple[int, int]:
+    """40 steps of 4 sequences, one of them new every step (short requests arriving): a step
+    that drafts takes ``seconds`` and every drafting sequence has ``accepted`` drafts
+    accepted; a plain one takes 1 s. Returns (drafting steps, plain steps)."""
+    seqs = _seqs(4)
+    next_id = 1000
+    drafting_steps = plain_steps = 0
+    for _ in range(40):
+        fresh = _seqs(1)[0]
+        fresh.seq_id, next_id = next_id, next_id + 1
+        policy.forget(seqs[0].seq_id)
+        seqs = seqs[1:] + [fresh]
+        wanted = policy.lookaheads(seqs, MAX_LEN)
+        for seq in seqs:
+            if seq.seq_id in wanted:
+                policy.record(seq.request_id, seq.seq_id, wanted[seq.seq_id], min(accepted, wanted[seq.seq_id]))
+        k = max(wanted.values(), default=0)
+        policy.observe_step(4, k, seconds if k else 1.0, drafting=len(wanted))
+        drafting_steps += bool(k)
+        plain_steps += not k
+    return drafting_steps, plain_steps

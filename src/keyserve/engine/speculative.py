@@ -31,6 +31,7 @@ from keyserve.config import SpeculativeConfig
 from keyserve.core.adaptive_k import AdaptiveK
 from keyserve.core.sequence import Sequence
 from keyserve.core.spec_decode import AcceptanceStats
+from keyserve.core.spec_guard import SpeculationGuard
 from keyserve.core.spec_tree import TreeShape, node_depths
 from keyserve.core.step_cost import StepCostModel
 from keyserve.engine.drafter import Drafter
@@ -68,6 +69,11 @@ class SpeculativeDecoder:
         self._adaptive_tree: dict[int, AdaptiveK] = {}
         self._engine_tree_alpha = AdaptiveK(k_min=0, k_max=0, decay=0.995, prior_weight=0.0)
         self.tree_costs = StepCostModel(cost_ratio)
+        # What speculation delivered, step by step, against plain decoding: the model above
+        # leaves out catch-ups and partly drafting steps, so outcomes have the last word
+        # (core/spec_guard.py); ``_step_accepted``: drafts accepted in the step being run.
+        self.guard = SpeculationGuard()
+        self._step_accepted = 0
         # This step's cost says nothing steady about K: a sequence drafts after not drafting
         # (the draft catches up on its prompt or on what it missed) or probes.
         self._unsettled = False
@@ -151,14 +157,17 @@ class SpeculativeDecoder:
         """seq_id -> draft tokens wanted next step, for the sequences that want any. The KV core
         reserves them only for a sequence that decodes this step and is not waiting for its
         prompt-phase KV selection. With adaptive K, none while the step cost model wants a
-        plain step at this batch size (its baseline)."""
+        plain step at this batch size (its baseline) or the guard has turned speculation off
+        there (it delivered fewer tokens per second than plain decoding)."""
         seqs = list(seqs)
         self._unsettled = False
+        self._step_accepted = 0
         self.trees = {}
         sampled = step_samples(seqs)
         if self.config.adaptive_k and seqs and (
                 self.costs.wants_plain(len(seqs), sampled)
-                or (self.tree is not None and self.tree_costs.wants_plain(len(seqs), sampled))):
+                or (self.tree is not None and self.tree_costs.wants_plain(len(seqs), sampled))
+                or self.guard.blocks(len(seqs), sampled)):
             for seq in seqs:
                 self._last_k[seq.seq_id] = 0
             return {}
@@ -180,8 +189,13 @@ class SpeculativeDecoder:
         sequences, ``drafting`` of them (default: all) drafting up to ``k`` each, ``trees`` of
         them verifying a tree: the step cost models learn from it (a plain step is both
         models' baseline, a step with trees is the trees'), unless a sequence's draft was
-        catching up or probing in it (not what a steady K costs)."""
-        if not self.config.adaptive_k or (k and self._unsettled):
+        catching up or probing in it (not what a steady K costs). The guard takes every step,
+        catch-ups included: they are part of what speculating costs."""
+        if not self.config.adaptive_k:
+            return
+        accepted, self._step_accepted = self._step_accepted, 0
+        self.guard.record(batch, seconds, batch + accepted if k else batch, k > 0, sampled)
+        if k and self._unsettled:
             return
         if trees and self.tree is not None:
             self.tree_costs.record(batch, self.tree.depth, seconds, sampled, trees)
@@ -196,6 +210,7 @@ class SpeculativeDecoder:
         nodes), and adaptive K's acceptance estimate for the sequence; ``parents``: the tree's
         (core/spec_tree.py), None for a chain."""
         self.stats.update([num_draft], [num_accepted])
+        self._step_accepted += num_accepted
         self.request_stats.setdefault(request_id, AcceptanceStats()).update([num_draft], [num_accepted])
         if parents:
             self.adapt(seq_id, max(node_depths(parents)), num_accepted, tree=True)
