@@ -80,7 +80,8 @@ PROMPTS = [
 TARGETS = {(1, 0.0): 1.8, (1, 0.8): 1.4, (8, 0.0): 1.1, (8, 0.8): 1.1}
 SECTION_TITLES = {"speculative_ray": "Speculative sampling on the Ray engine: the draft actor against its own plain "
                   "decoding (issue 19)",
-                  "speculative_tree": "Speculative sampling: trees of drafts against chains (issue 19)"}
+                  "speculative_tree": "Speculative sampling: trees of drafts against chains (issue 19)",
+                  "speculative_guard": "Speculative sampling: adaptive K with the outcome guard (issue 19)"}
 RAY_TARGETS = {0.0: 1.5}  # issue 19: the Ray engine with the draft actor, batch 1, over its own plain decoding
 
 
@@ -583,6 +584,11 @@ def render(rows: list[Row], meta: dict) -> str:
         "",
         versus,
         "",
+        ("Adaptive K's outcome guard (core/spec_guard.py) turned speculation off, over the whole run "
+         "(warm-up and rounds; the adaptive rows only): "
+         + "; ".join(f"{k}: {v} time(s)" for k, v in meta["guard_losses"].items()) + ".")
+        if meta.get("guard_losses") else "",
+        "",
         "All rows (tok/s = generated tokens ÷ wall time of the generate calls, median over rounds; spread = "
         "slowest–fastest round; acceptance = accepted ÷ drafted; tokens per target forward counts the "
         "bonus/recovered token; tokens = per round):",
@@ -809,7 +815,10 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
                        f"K={r.k}{' tree ' + r.tree if r.tree else ''}: {r.tok_s:6.1f} tok/s acceptance {r.acceptance if r.acceptance is not None else '-'}")
     for ray_llm in rays.values():
         ray_llm.shutdown()
-    meta = dict(num_prompts=args.num_prompts, max_tokens=args.max_tokens, repeats=args.rounds,
+    guard = llm.engine.speculative.guard  # the adaptive rows' verdicts over the whole run (core/spec_guard.py)
+    guard_losses = {f"batch {b}, T {'> 0' if s else '= 0'}": guard.losses(b, s)
+                    for b in args.batches for s in sorted({t > 0 for t in args.temperatures})}
+    meta = dict(guard_losses=guard_losses, num_prompts=args.num_prompts, max_tokens=args.max_tokens, repeats=args.rounds,
                 threads=torch.get_num_threads(), ray=bool(rays),
                 transformers=transformers.__version__, load_before=load_before, load_after=_load_avg(),
                 wall_min=(time.perf_counter() - start) / 60, draft_params_m=draft_params / 1e6,

@@ -11,7 +11,10 @@ that length.
 ``SpeculativeDecoder`` keeps the engine-side part: how many drafts, statistics, adaptive K.
 Adaptive K (``config.adaptive_k``) picks K per sequence, 0 included, from its acceptance and
 the step cost the engine measures (``observe_step`` feeds ``core.step_cost.StepCostModel``), so
-speculation stops where it does not pay at the current batch size. With a tree
+speculation stops where it does not pay at the current batch size; and since that model leaves
+out catch-ups and partly drafting steps, ``core.spec_guard.SpeculationGuard`` turns speculation
+off at a batch size for a while whenever its drafting steps delivered fewer tokens per second
+than plain ones there. With a tree
 (``config.speculative_tree``) adaptive K chooses per sequence between verifying the tree and
 decoding plainly: the tree's tokens per step are modelled as a chain's of its depth with the
 per-level continuation the sequence measures (exact for a one-level tree: 1 + P(a child is the
