@@ -535,9 +535,14 @@ def render(rows: list[Row], meta: dict) -> str:
         ])
         target = TARGETS.get((batch, temp))
         if target is not None:
-            got = max(m.median, ad.median if ad else 0.0) / plain
+            # An adaptive row that drafted nothing is plain decoding: its ratio is the rounds' noise,
+            # not speculation's gain, so it cannot meet a speed-up target.
+            drafted = ad is not None and (ad.tokens_per_forward or 1.0) > 1.0
+            got = max(m.median, ad.median if drafted else 0.0) / plain
             verdicts.append(f"batch {batch}, T = {temp}: ≥ {target}× — **{'met' if got >= target else 'NOT met'}** "
-                            f"({got:.2f}×)")
+                            f"({got:.2f}×" + ("" if drafted or ad is None else
+                                              f"; adaptive K drafted nothing, its {ad.median / plain:.2f}× is "
+                                              "plain decoding") + ")")
         for each in (a for a in adaptive_rows if (a.first.batch, a.first.temperature) == (batch, temp)):
             verdicts.append(f"adaptive K ({each.label}) never slower than plain, batch {batch}, T = {temp}: "
                             f"**{'met' if each.median >= plain else 'NOT met'}** ({each.median / plain:.2f}×, "
@@ -570,6 +575,7 @@ def render(rows: list[Row], meta: dict) -> str:
         + (f"an untimed warm-up of every configuration for every contender, then {meta['repeats']} "
            f"interleaved rounds (medians and min–max spread of tok/s over rounds)" if "repeats" in meta else
            "an older run: one round (no spread), a warm-up for keyserve alone")
+        + (f" (measured by `{meta['command']}`)" if "command" in meta else "")
         + f"; torch threads {meta['threads']} on both "
         f"sides; transformers {meta['transformers']}. Load average before {meta['load_before']}, after "
         f"{meta['load_after']}; wall time {meta['wall_min']:.1f} min.",
@@ -693,6 +699,7 @@ def main() -> None:
         rows, meta = [Row(**r) for r in saved["rows"]], saved["meta"]
     else:
         rows, meta = measure(args)
+        meta["command"] = command_line()
         meta["plot"] = "bench_spec.png" if args.section == "speculative" else f"bench_{args.section}.png"
         if not args.no_write:  # a smoke run leaves the committed results alone
             args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "meta": meta}, indent=1))
