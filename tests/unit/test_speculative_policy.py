@@ -189,7 +189,7 @@ def test_the_guard_stops_speculation_that_delivers_less_than_plain_decoding() ->
 def test_the_guard_counts_accepted_drafts_as_delivered_tokens() -> None:
     """The same stream where a drafting step takes 1.5 s and every draft is accepted: 4 + 8
     tokens per 1.5 s against 4 per 1 s pays, so the guard never turns speculation off.
-    Mutations caught: ``batch + accepted if k else batch`` → ``batch`` in ``observe_step``, and
+    Mutations caught: ``batch + accepted`` → ``batch`` in ``observe_step``, and
     ``self._step_accepted += num_accepted`` dropped from ``record`` (both read 4 tokens per
     1.5 s, a loss)."""
     policy = _policy(k=2)

@@ -57,6 +57,11 @@ class _Bucket:
     blocked: int = 0  # steps left without speculation
     losses: int = 0  # verdicts that turned speculation off (statistics, tests)
 
+    @property
+    def speedup(self) -> float:
+        """Drafting steps' tokens per second over plain steps' (both seen at least once)."""
+        return self.drafting.per_second / self.plain.per_second
+
 
 class SpeculationGuard:
     """Turns speculation off at a batch-size bucket while it delivers fewer tokens per second
@@ -99,8 +104,7 @@ class SpeculationGuard:
         b.drafting.add(tokens, seconds, self.decay)
         if b.drafting.steps < self.min_steps or b.plain.steps < self.min_plain:
             return
-        speedup = b.drafting.per_second / b.plain.per_second
-        if speedup < 1.0 - self.margin:
+        if b.speedup < 1.0 - self.margin:
             b.blocked = b.interval
             b.interval = min(2 * b.interval, self.max_interval)
             b.losses += 1
@@ -123,7 +127,7 @@ class SpeculationGuard:
         b = self._buckets.get(self._key(batch, sampled))
         if b is None or not b.drafting.steps or not b.plain.steps:
             return None
-        return b.drafting.per_second / b.plain.per_second
+        return b.speedup
 
     def losses(self, batch: int, sampled: bool = False) -> int:
         """How many times speculation was turned off at this bucket."""

@@ -196,8 +196,8 @@ class SpeculativeDecoder:
         catch-ups included: they are part of what speculating costs."""
         if not self.config.adaptive_k:
             return
-        accepted, self._step_accepted = self._step_accepted, 0
-        self.guard.record(batch, seconds, batch + accepted if k else batch, k > 0, sampled)
+        accepted, self._step_accepted = self._step_accepted, 0  # none in a plain step
+        self.guard.record(batch, seconds, batch + accepted, k > 0, sampled)
         if k and self._unsettled:
             return
         if trees and self.tree is not None:
