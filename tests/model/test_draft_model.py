@@ -21,10 +21,11 @@ from keyserve.model.draft_model import (
     DraftMeta,
     PrunedHeadLlama,
     default_draft_dir,
+    tokenizer_fingerprint,
     load_draft,
 )
 from keyserve.model.llama import LlamaForCausalLM
-from keyserve.model.loader import LoadedModel, load_model
+from keyserve.model.loader import LoadedModel, load_model, load_vocab
 from keyserve.training.acceptance import simulate_greedy, simulate_tree, tree_nodes
 from keyserve.training.dense import DenseLlama
 from keyserve.training.distill import DistillOptions, _split, distill_draft, init_layer_ids
@@ -196,6 +197,27 @@ def test_mismatched_targets_are_refused(distilled: Path, target: LoadedModel, tm
         load_draft(str(copy), target)
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_draft(str(tmp_path / "nowhere"), target)
+
+
+def test_a_plain_draft_with_another_vocabulary_file_is_refused(stories_path: str, target: LoadedModel,
+                                                                tmp_path: Path) -> None:
+    """A plain draft directory's own tokenizer.json is read (with the tokenizers library, not
+    AutoTokenizer) and compared with the target's: two tokens' ids swapped are refused."""
+    copy = tmp_path / "plain"
+    shutil.copytree(stories_path, copy)
+    tok = json.loads((copy / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = [t for t in vocab if t.isalpha() and len(t) > 2][:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (copy / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(DraftError, match="tokenizer"):
+        load_draft(str(copy), target)
+
+
+def test_the_vocabulary_reader_equals_transformers(stories_path: str, target: LoadedModel) -> None:
+    """``load_vocab`` (the draft actor's tokenizers-only read) gives transformers' table."""
+    assert load_vocab(stories_path).get_vocab() == target.tokenizer.get_vocab()
+    assert tokenizer_fingerprint(load_vocab(stories_path)) == tokenizer_fingerprint(target.tokenizer)
 
 
 def test_generation_records_the_target_distribution(target: LoadedModel) -> None:

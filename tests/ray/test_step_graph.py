@@ -257,10 +257,13 @@ def test_an_idle_graph_is_released_and_compiled_again(stories_path: str) -> None
         pids = [a["Pid"] for a in ray._private.state.actors().values()
                 if a["State"] == "ALIVE" and a["ActorClassName"] in ("TargetShardActor", "KVManagerActor")]
         assert len(pids) == 2
+        time.sleep(1.0)  # the teardown itself (channel close, thread joins) is not the busy-wait
         before = _cpu_seconds(pids)
         time.sleep(2.0)
         used = _cpu_seconds(pids) - before
-        assert used < 0.5, f"the released graph's actors still used {used:.2f} CPU-s in 2 s"
+        # two actors busy-waiting take ~2 cores (~4 CPU-s here); idle Ray actors on a slow 2-core
+        # machine were seen at 0.52 CPU-s (heartbeats, metrics), so the line is half a core.
+        assert used < 1.0, f"the released graph's actors still used {used:.2f} CPU-s in 2 s"
         again = llm.generate(prompts, params)
         assert engine.num_graph_compiles == 2
     for a, b in zip(first, again, strict=True):

@@ -33,7 +33,9 @@ def worker_gpus(parallel: ParallelConfig, device: str) -> float:
 
 
 class TargetGroup:
-    def __init__(self, args: ShardArgs, parallel: ParallelConfig, arch: ModelConfig) -> None:
+    def __init__(self, args: ShardArgs, parallel: ParallelConfig, arch: ModelConfig, start: bool = True) -> None:
+        """Reserves the shards' placement group; ``start=False`` leaves starting the shards to
+        ``start()`` (the engine starts them beside the draft and KV-manager actors)."""
         self.tp = parallel.tensor_parallel_size
         check_tp_fits(arch, self.tp, args.model_dir)
         self.args, self.parallel = args, parallel
@@ -58,6 +60,11 @@ class TargetGroup:
         self.weight_bytes = 0
         self._ops: list[RunnerOp] = []
         self.num_restarts = 0
+        if start:
+            self._start()
+
+    def start(self) -> None:
+        """Start the shards and wait until they are set up (after ``start=False``)."""
         self._start()
 
     def _start(self) -> None:

@@ -43,7 +43,7 @@ from keyserve.model.config import ModelConfig
 from keyserve.model.draft_model import load_draft
 from keyserve.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from keyserve.model.llama import LlamaForCausalLM
-from keyserve.model.loader import LoadedModel, load_model, load_tokenizer, resolve_model_dir
+from keyserve.model.loader import LoadedModel, load_model, load_tokenizer, load_vocab, resolve_model_dir
 from keyserve.model.parallel import VocabParallelHead, dist_all_reduce
 from keyserve.model.weights import iter_safetensors
 
@@ -194,11 +194,11 @@ def build_runner(
     return runner
 
 
-def load_target_meta(model: str | None) -> tuple[Path, ModelConfig, Any]:
-    """A target's directory, architecture and tokenizer, without its weights (the Ray
+def load_target_arch(model: str | None) -> tuple[Path, ModelConfig]:
+    """A target's directory and architecture, without its weights or tokenizer (the Ray
     engine's front holds no model; the shards load it)."""
     model_dir = resolve_model_dir(model, progress=False)
-    return model_dir, ModelConfig.from_file(model_dir / "config.json"), load_tokenizer(model_dir)
+    return model_dir, ModelConfig.from_file(model_dir / "config.json")
 
 
 # ------------------------------------------------------------------------ drafter
@@ -211,7 +211,7 @@ def draft_target(target_dir: str | Path, dtype: torch.dtype, device: torch.devic
     return SimpleNamespace(
         model=SimpleNamespace(model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight)), dtype=dtype),
         config=ModelConfig.from_file(path / "config.json"),
-        tokenizer=load_tokenizer(path),
+        tokenizer=load_vocab(path),  # the vocabulary only: the draft actor decodes no text
         path=path,
         generation_config={},
     )

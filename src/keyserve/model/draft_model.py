@@ -33,7 +33,7 @@ from torch import nn
 
 from keyserve.model.config import ModelConfig
 from keyserve.model.llama import LlamaForCausalLM
-from keyserve.model.loader import LoadedModel
+from keyserve.model.loader import LoadedModel, load_vocab
 from keyserve.model.matmul import linear
 from keyserve.model.paths import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from keyserve.model.weights import iter_safetensors
@@ -275,9 +275,7 @@ def _load_plain(
     config = ModelConfig.from_file(path / "config.json")
     _check_shapes(config, target, path)
     if any(path.glob("tokenizer*.json")) or (path / "tokenizer.model").is_file():
-        from transformers import AutoTokenizer
-
-        _check_tokenizer(tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(path))), target, path)
+        _check_tokenizer(tokenizer_fingerprint(load_vocab(path)), target, path)
     net = LlamaForCausalLM(config, dtype, device)
     net.load_weights(iter_safetensors(path))
     return net.eval()
