@@ -126,8 +126,7 @@ class Scheduler:
     def add_running(self, seq: Sequence) -> None:
         """Insert an already-allocated sequence (a fork of a running one)."""
         seq.status = SequenceStatus.RUNNING
-        keys = [_priority(s) for s in self.running]
-        self.running.insert(bisect.bisect(keys, _priority(seq)), seq)
+        bisect.insort_right(self.running, seq, key=_priority)  # no key list per insert: n forks were O(n^2)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is (finished or aborted) and free its blocks."""

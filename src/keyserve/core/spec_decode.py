@@ -173,14 +173,6 @@ def verify_drafts(
 # ---------------------------------------------------------------------------------------------
 
 
-def _total(x: torch.Tensor | int | list[int]) -> int:
-    if isinstance(x, torch.Tensor):
-        return int(x.sum().item())
-    if isinstance(x, int):
-        return x
-    return int(sum(x))
-
-
 @dataclass
 class AcceptanceStats:
     """Counts per request or in total (add them). One *step* = one sequence verified by one
@@ -197,14 +189,13 @@ class AcceptanceStats:
         num_draft: torch.Tensor | int | list[int],  # [num_seqs] or a per-step scalar
         num_accepted: torch.Tensor | list[int],  # [num_seqs]
     ) -> None:
-        acc = num_accepted if isinstance(num_accepted, torch.Tensor) else torch.tensor(num_accepted)
-        drafted = (num_draft if isinstance(num_draft, torch.Tensor)
-                   else torch.as_tensor(num_draft)).to(acc.device).expand_as(acc)
-        self.num_draft_tokens += _total(drafted)
-        self.num_accepted_tokens += _total(acc)
-        self.num_emitted_tokens += _total(acc) + acc.numel()
-        self.num_steps += acc.numel()
-        self.num_rejections += _total(acc < drafted)
+        drafted, acc = draft_counts(num_draft, num_accepted)
+        accepted = sum(acc)
+        self.num_draft_tokens += sum(drafted)
+        self.num_accepted_tokens += accepted
+        self.num_emitted_tokens += accepted + len(acc)
+        self.num_steps += len(acc)
+        self.num_rejections += sum(a < d for a, d in zip(acc, drafted))
 
     @property
     def acceptance_rate(self) -> float:
@@ -243,4 +234,4 @@ class AcceptanceStats:
 
 
 # Adaptive K lives in its own module; re-exported here, where it used to be.
-from keyserve.core.adaptive_k import AdaptiveK, expected_speedup, expected_tokens  # noqa: E402,F401
+from keyserve.core.adaptive_k import AdaptiveK, draft_counts, expected_speedup, expected_tokens  # noqa: E402,F401

@@ -67,6 +67,10 @@ class KVCore:
         self.max_model_len = max_model_len
         self.seqs: dict[int, Sequence] = {}
         self.pending: dict[int, list[Sequence]] = {}  # parent seq_id -> siblings not yet forked
+        # sibling seq_id -> its parent's, from ``add`` until the sibling finishes: ``_finish``
+        # finds an aborted sibling's list at once (a scan of every list was 0.3 ms a finish
+        # with 320 requests of n = 64 queued, most of a 20k-sample test's engine time).
+        self.pending_parent: dict[int, int] = {}
         self.forced: dict[int, list[int]] = {}  # seq_id -> teacher-forced output tokens
         self.known: set[int] = set()  # sequences whose SeqInfo the model side holds
         self.inflight: _InFlight | None = None
@@ -86,6 +90,8 @@ class KVCore:
             self.seqs[seq.seq_id] = seq
         if pending:
             self.pending[seqs[0].seq_id] = list(pending)
+            for sibling in pending:
+                self.pending_parent[sibling.seq_id] = seqs[0].seq_id
         if forced is not None:
             self.forced[seqs[0].seq_id] = list(forced)
         for seq in seqs:
@@ -292,9 +298,10 @@ class KVCore:
         self.seqs.pop(seq.seq_id, None)
         self.forced.pop(seq.seq_id, None)
         self.known.discard(seq.seq_id)
-        for siblings in self.pending.values():
-            if seq in siblings:
-                siblings.remove(seq)
+        parent = self.pending_parent.pop(seq.seq_id, None)  # an unforked sibling (aborted)
+        siblings = self.pending.get(parent) if parent is not None else None
+        if siblings is not None and seq in siblings:
+            siblings.remove(seq)
         self.pending.pop(seq.seq_id, None)
 
     def _stat(self, seq: Sequence) -> SeqStat:
