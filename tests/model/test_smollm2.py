@@ -61,6 +61,10 @@ def test_cache_layout_and_reuse(
     converted: tuple[LoadedModel, float], cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     loaded, _ = converted
+    import gguf
+
+    # the conversion's parse-once patch is gone: later GGUF loads (the oracle's) read for real
+    assert isinstance(gguf.GGUFReader, type) and not hasattr(gguf.get_tensor_name_map, "cache_info")
     out = cache / "models" / DEFAULT_MODEL_NAME
     assert loaded.path == out
     names = {p.name for p in out.iterdir()}
