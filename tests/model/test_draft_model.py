@@ -21,8 +21,8 @@ from keyserve.model.draft_model import (
     DraftMeta,
     PrunedHeadLlama,
     default_draft_dir,
-    tokenizer_fingerprint,
     load_draft,
+    tokenizer_fingerprint,
 )
 from keyserve.model.llama import LlamaForCausalLM
 from keyserve.model.loader import LoadedModel, load_model, load_vocab

@@ -13,7 +13,7 @@ from keyserve.engine.kv_core import KVCore
 def _request(rid: str, n: int) -> tuple[Sequence, list[Sequence]]:
     params = SamplingParams(n=n, max_tokens=4, temperature=1.0)
     first = Sequence(rid, [1, 2, 3], params)
-    siblings = [Sequence(rid, [1, 2, 3], params, sample_index=i, fork_parent=first) for i in range(1, n)]
+    siblings = [Sequence(rid, [1, 2, 3], params, sample_index=i) for i in range(1, n)]
     return first, siblings
 
 
