@@ -66,8 +66,6 @@ class Sequence:
     num_lookahead: int = 0  # draft tokens to verify at the next decode step (speculation)
     kv_tokens_held: int = 0  # per (layer, kv-head), recorded when a budgeted sequence ends
     kv_tokens_evicted: int = 0
-    # n > 1: siblings wait until the first sample's prompt is computed, then fork from it.
-    fork_parent: "Sequence | None" = None
     # Stop strings: the text emitted so far is kept by the detokenizer, not here.
     first_token_time: float | None = None
     finish_time: float | None = None
