@@ -33,11 +33,24 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("keyserve-cache")
 
 
+GGUF_PARSES: list[str] = []  # every full GGUFReader parse during the conversion
+
+
 @pytest.fixture(scope="module")
 def converted(cache: Path) -> tuple[LoadedModel, float]:
-    """The default model converted into an empty cache dir (the real first-run path)."""
+    """The default model converted into an empty cache dir (the real first-run path),
+    counting the full parses of the GGUF it makes (``GGUF_PARSES``)."""
+    import gguf
+
+    real_reader = gguf.GGUFReader
+
+    def counting_reader(path: object, *args: object, **kwargs: object) -> object:
+        GGUF_PARSES.append(str(path))
+        return real_reader(path, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KEYSERVE_CACHE_DIR", str(cache))
+        mp.setattr(gguf, "GGUFReader", counting_reader)
         start = time.perf_counter()
         loaded = load_model(None)
         return loaded, time.perf_counter() - start
@@ -65,6 +78,9 @@ def test_cache_layout_and_reuse(
 
     # the conversion's parse-once patch is gone: later GGUF loads (the oracle's) read for real
     assert isinstance(gguf.GGUFReader, type) and not hasattr(gguf.get_tensor_name_map, "cache_info")
+    # one parse in all: the architecture check's reader serves transformers' three reads
+    # (tokenizer, config, weights); each is a full parse of a 49k-token vocabulary (~6 s here)
+    assert len(GGUF_PARSES) == 1, GGUF_PARSES
     out = cache / "models" / DEFAULT_MODEL_NAME
     assert loaded.path == out
     names = {p.name for p in out.iterdir()}

@@ -64,26 +64,27 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
             f"{out_dir} exists but is not a finished keyserve conversion (no "
             f"{CONVERSION_MANIFEST}); remove it to convert {gguf_path} again"
         )
-    arch = gguf_architecture(gguf_path)
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"{gguf_path}: GGUF architecture {arch!r} is not supported; "
-            f"keyserve implements {SUPPORTED_GGUF_ARCHITECTURES}"
-        )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(out_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        _convert_into(gguf_path, tmp, progress)
+    with _gguf_parsed_once():  # the architecture check's parse serves the conversion's reads too
+        arch = gguf_architecture(gguf_path)
+        if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"{gguf_path}: GGUF architecture {arch!r} is not supported; "
+                f"keyserve implements {SUPPORTED_GGUF_ARCHITECTURES}"
+            )
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(out_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            if not is_converted(out_dir):  # not a concurrent conversion that won the race
-                raise
+            _convert_into(gguf_path, tmp, progress)
+            try:
+                os.rename(tmp, out_dir)
+            except OSError:
+                if not is_converted(out_dir):  # not a concurrent conversion that won the race
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            raise
     return out_dir
 
 
@@ -93,14 +94,15 @@ def _gguf_parsed_once() -> Iterator[None]:
     of its metadata (SmolLM2: a 49k-token vocabulary and its merges, ~440k numpy views), and
     builds gguf's tensor-name map once per module (397 times for SmolLM2): measured ~60 % of a
     45-60 s conversion on 2 cores. Inside this block each reader and map is built once
-    (transformers imports both from ``gguf`` at call time and only reads them)."""
+    (transformers imports both from ``gguf`` at call time and only reads them), and so is the
+    architecture check's (a full parse too: ~6 s of a first run on 2 cores)."""
     import gguf
 
     real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple, Any] = {}
 
     def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
-        key = (str(path), args, tuple(sorted(kwargs.items())))
+        key = (os.path.realpath(str(path)), args, tuple(sorted(kwargs.items())))
         if key not in readers:
             readers[key] = real_reader(path, *args, **kwargs)
         return readers[key]
@@ -113,8 +115,8 @@ def _gguf_parsed_once() -> Iterator[None]:
 
 
 def _convert_into(gguf_path: Path, tmp: Path, progress: bool) -> None:
-    with _gguf_parsed_once():
-        _convert_with_transformers(gguf_path, tmp, progress)
+    """Called inside ``_gguf_parsed_once`` (``convert_gguf``)."""
+    _convert_with_transformers(gguf_path, tmp, progress)
 
 
 def _convert_with_transformers(gguf_path: Path, tmp: Path, progress: bool) -> None:
