@@ -46,9 +46,8 @@ from bench.report import BENCHMARKS_MD, markdown_table, update_section  # noqa: 
 from keyserve.model.draft_model import load_draft  # noqa: E402
 from keyserve.model.loader import LoadedModel, load_model  # noqa: E402
 from keyserve.training import corpus  # noqa: E402
-from keyserve.training.acceptance import CHAT_PROMPTS, _chat_ids  # noqa: E402
+from keyserve.training.acceptance import CHAT_PROMPTS, greedy_chat_answers  # noqa: E402
 from keyserve.training.dense import DenseLayer, DenseLlama  # noqa: E402
-from keyserve.training.generate import GenerationJob, generate_answers  # noqa: E402
 from keyserve.training.prompts import build_prompts  # noqa: E402
 
 Record = tuple[list[int], torch.Tensor, int]  # token ids, [n, hidden] float16 features, prompt length
@@ -105,12 +104,8 @@ def _answers(target: LoadedModel, n: int) -> list[tuple[list[int], list[int]]]:
 
 
 def _held_out(target: LoadedModel, teacher: DenseLlama) -> list[Record]:
-    ids = [_chat_ids(target, p) for p in CHAT_PROMPTS]
-    eos = {int(e) for e in target.config.eos_token_ids} | {int(target.tokenizer.eos_token_id)}
-    job = GenerationJob(ids, [0.0] * len(ids), list(range(len(ids))), 128, eos, top_k=1, slots=len(ids))
-    answers = []
-    generate_answers(teacher, job, float("inf"), answers.extend)
-    return _with_features(teacher, [(a.prompt, a.tokens) for a in sorted(answers, key=lambda a: a.prompt_index)], "held-out features")
+    answers = greedy_chat_answers(target, CHAT_PROMPTS, 128)
+    return _with_features(teacher, [(a.prompt, a.tokens) for a in answers], "held-out features")
 
 
 def _unit_rms(x: torch.Tensor) -> torch.Tensor:  # [..., hidden]; a zero row stays zero

@@ -115,11 +115,7 @@ def _gguf_parsed_once() -> Iterator[None]:
 
 
 def _convert_into(gguf_path: Path, tmp: Path, progress: bool) -> None:
-    """Called inside ``_gguf_parsed_once`` (``convert_gguf``)."""
-    _convert_with_transformers(gguf_path, tmp, progress)
-
-
-def _convert_with_transformers(gguf_path: Path, tmp: Path, progress: bool) -> None:
+    """Write the Hugging Face copy into ``tmp``; called inside ``_gguf_parsed_once``."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -89,6 +89,18 @@ def _chat_ids(target: LoadedModel, text: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def greedy_chat_answers(target: LoadedModel, prompts: list[str], max_new_tokens: int) -> list[Answer]:
+    """The target's greedy answers to chat prompts, in prompt order: the text every
+    acceptance measure reads the draft along."""
+    ids = [_chat_ids(target, p) for p in prompts]
+    eos = {int(e) for e in target.config.eos_token_ids} | {int(target.tokenizer.eos_token_id)}
+    job = GenerationJob(ids, [0.0] * len(ids), list(range(len(ids))), max_new_tokens, eos, top_k=1,
+                        slots=len(ids))
+    answers: list[Answer] = []
+    generate_answers(DenseLlama.from_serving(target.model), job, float("inf"), answers.extend)
+    return sorted(answers, key=lambda a: a.prompt_index)
+
+
 def _overlap(
     draft_logits: torch.Tensor,  # [n, vocab]
     target_logits: torch.Tensor,  # [n, vocab]
@@ -108,16 +120,10 @@ def measure(
     ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8),
     temperatures: tuple[float, ...] = (0.8, 1.0),
 ) -> AcceptanceReport:
-    ids = [_chat_ids(target, p) for p in prompts]
-    eos = {int(e) for e in target.config.eos_token_ids} | {int(target.tokenizer.eos_token_id)}
-    job = GenerationJob(ids, [0.0] * len(ids), list(range(len(ids))), max_new_tokens, eos, top_k=1,
-                        slots=len(ids))
-    answers: list[Answer] = []
-    generate_answers(DenseLlama.from_serving(target.model), job, float("inf"), answers.extend)
     agree_all: list[list[bool]] = []
     ranks_all: list[list[int]] = []
     overlaps: dict[float, list[float]] = {t: [] for t in temperatures}
-    for a in sorted(answers, key=lambda a: a.prompt_index):
+    for a in greedy_chat_answers(target, prompts, max_new_tokens):
         seq = a.prompt + a.tokens
         rows = slice(len(a.prompt) - 1, len(seq) - 1)  # positions predicting the answer
         d_logits = teacher_forced_logits(draft.model, seq)[rows]
