@@ -215,7 +215,24 @@ def train_draft(
     resume: bool,
 ) -> TrainResult:
     """Train ``model``; on return it holds the best held-out weights seen. Returns losses and
-    held-out agreement before training and of the weights kept."""
+    held-out agreement before training and of the weights kept. Dropout draws from torch's
+    generator seeded from ``cfg.seed`` (and the step a resumed run starts at), inside a fork
+    of the caller's RNG state: the same seed trains the same draft, whatever ran before."""
+    with torch.random.fork_rng(devices=[]):  # the CPU generator: training runs on the CPU
+        return _train(model, data, train_seqs, heldout_seqs, head_ids, head_map, cfg, checkpoint, resume)
+
+
+def _train(
+    model: DenseLlama,
+    data: TeacherData,
+    train_seqs: list[int],
+    heldout_seqs: list[int],
+    head_ids: torch.Tensor,  # [N] int64 full-vocab id of each draft LM-head row
+    head_map: torch.Tensor,  # [vocab] int64 full id -> draft row, -1 = none
+    cfg: TrainConfig,
+    checkpoint: Checkpoint,
+    resume: bool,
+) -> TrainResult:
     tuner = ThreadTuner(cfg.max_threads)
     model.set_dropout(cfg.dropout)
     model.train()
@@ -232,6 +249,7 @@ def train_draft(
         state["initial_eval"] = asdict(initial)
         best.offer(model, initial, 0)
     last_eval = initial
+    torch.manual_seed(cfg.seed * 1_000_003 + state["step"])
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="distil draft", unit="step",
                dynamic_ncols=True)
     ema: float | None = None
