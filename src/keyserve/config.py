@@ -173,6 +173,24 @@ class SpeculativeConfig(_Strict):
         "draft KV policy or tensor parallelism (those sequences verify chains).",
     )
 
+    prompt_lookup_max: int = Field(
+        0, ge=0, le=16,
+        description="Prompt lookup: where the sequence's last n tokens (n from this down to "
+        "prompt_lookup_min) occurred earlier in it, draft the tokens that followed them then, "
+        "with no draft forward; the draft model drafts where nothing matches. Output stays the "
+        "target's. 0: off. Chains only (not with speculative_tree).",
+    )
+    prompt_lookup_min: int = Field(
+        2, ge=1, le=16, description="Prompt lookup: the shortest n-gram matched (see prompt_lookup_max)."
+    )
+
+    @model_validator(mode="after")
+    def _lookup_sizes(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_max and self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
+
     @field_validator("speculative_tree")
     @classmethod
     def _tree_shape(cls, value: str | None) -> str | None:

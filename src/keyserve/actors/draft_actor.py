@@ -46,6 +46,7 @@ class DraftActorArgs:
     graph_rows: int = 0  # CUDA graphs of its decode steps (build.build_drafter)
     max_model_len: int | None = None
     draft_dtype: str = "auto"  # SpeculativeConfig.draft_dtype (build.resolve_draft_dtype)
+    lookup: tuple[int, int] | None = None  # prompt lookup's n-gram sizes (drafter.draft_lookup)
 
 
 @dataclass
@@ -97,7 +98,7 @@ class DraftActor:
         target = build.draft_target(args.target_dir, dtype, device)
         return build.build_drafter(
             args.draft, args.budget, target, args.num_blocks, args.block_size, dtype, device,
-            graph_rows=args.graph_rows, max_model_len=args.max_model_len,
+            graph_rows=args.graph_rows, max_model_len=args.max_model_len, lookup=args.lookup,
         )
 
     def ready(self) -> tuple[str, int]:

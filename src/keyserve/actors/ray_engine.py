@@ -33,7 +33,7 @@ from keyserve.core.cpu_count import usable_cpus
 from keyserve.core.sequence import Sequence
 from keyserve.engine import build
 from keyserve.engine.async_engine import AsyncLLMEngine
-from keyserve.engine.drafter import draft_budget
+from keyserve.engine.drafter import draft_budget, draft_lookup
 from keyserve.engine.llm_engine import LLMEngine
 from keyserve.engine.outputs import RequestOutput
 from keyserve.engine.speculative import SpeculativeDecoder
@@ -122,7 +122,8 @@ class RayEngine(LLMEngine):
             draft_args = DraftActorArgs(config.spec.draft, str(model_dir), config.model.dtype, config.model.device,
                                         num_blocks, block_size, config.seed, draft_budget(config.spec),
                                         graph_rows=rows, max_model_len=max_model_len,
-                                        draft_dtype=config.spec.draft_dtype)
+                                        draft_dtype=config.spec.draft_dtype,
+                                        lookup=draft_lookup(config.spec))
         tokenizer = self._start_actors(config, num_blocks, max_model_len, model_dir, draft_args,
                                        gpus if draft_args else 0.0)
         speculative = None

@@ -31,7 +31,7 @@ from keyserve.config import ModelConfig as ModelOptions
 from keyserve.core.block_manager import BlockManager
 from keyserve.core.scheduler import SchedulerConfig
 from keyserve.engine.cuda_graphs import DecodeGraphs
-from keyserve.engine.drafter import DraftBudget, Drafter, draft_budget
+from keyserve.engine.drafter import DraftBudget, Drafter, draft_budget, draft_lookup
 from keyserve.engine.kv_budget import BudgetDefaults
 from keyserve.engine.kv_core import KVCore
 from keyserve.engine.malloc_tuning import tune_malloc
@@ -227,17 +227,19 @@ def build_drafter(
     device: torch.device,
     graph_rows: int = 0,
     max_model_len: int | None = None,
+    lookup: tuple[int, int] | None = None,
 ) -> tuple[Drafter, int]:
     """The draft model with its own KV pool (as many token slots as the target's) and block
     manager; returns the drafter and the draft's weight bytes. ``graph_rows``/``max_model_len``:
-    CUDA graphs of its decode steps, as ``build_runner``'s (its K forwards are decode steps)."""
+    CUDA graphs of its decode steps, as ``build_runner``'s (its K forwards are decode steps);
+    ``lookup``: prompt lookup's n-gram sizes (``drafter.draft_lookup``), None for off."""
     loaded = load_draft(draft, target, dtype=dtype, device=device)
     vocab = target.config.vocab_size
     if loaded.config.vocab_size != vocab:
         raise ValueError(f"draft vocabulary ({loaded.config.vocab_size}) differs from the target's ({vocab})")
     runner = build_runner(loaded.model, num_blocks, block_size, dtype, device, graph_rows=graph_rows,
                           max_model_len=max_model_len)
-    worker = Drafter(runner, BlockManager(num_blocks, block_size, True), vocab, budget)
+    worker = Drafter(runner, BlockManager(num_blocks, block_size, True), vocab, budget, lookup)
     return worker, weight_bytes(loaded.model)
 
 
@@ -307,7 +309,7 @@ def build_local_parts(config: EngineConfig, loaded: LoadedModel | None = None) -
         drafter, draft_bytes = build_drafter(
             config.spec.draft, draft_budget(config.spec), loaded, num_blocks, block_size,
             resolve_draft_dtype(config.spec.draft_dtype, dtype, device.type), device,
-            graph_rows=rows, max_model_len=max_model_len,
+            graph_rows=rows, max_model_len=max_model_len, lookup=draft_lookup(config.spec),
         )
         cost = draft_cost_ratio(config.spec, draft_bytes, weight_bytes(loaded.model))
         speculative = SpeculativeDecoder(drafter, config.spec, cost)

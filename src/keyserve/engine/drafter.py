@@ -36,6 +36,7 @@ from keyserve.config import SpeculativeConfig
 from keyserve.core.block_manager import BlockManager
 from keyserve.core.generator_marks import GeneratorMarks
 from keyserve.core.kv_policy import KVBudget
+from keyserve.core.prompt_lookup import PromptLookup
 from keyserve.core.sampler import SamplingTensors, inverse_cdf, make_generator, processed_probs, row_argmax, row_uniforms
 from keyserve.core.sequence import Sequence
 from keyserve.engine.kv_budget.resolve import resolve_budget
@@ -78,6 +79,11 @@ def draft_budget(config: SpeculativeConfig) -> DraftBudget:
     return DraftBudget(config.draft_kv_policy, config.draft_kv_budget, config.draft_recent_ratio)
 
 
+def draft_lookup(config: SpeculativeConfig) -> tuple[int, int] | None:
+    """Prompt lookup's n-gram sizes (min, max), or None when it is off."""
+    return (config.prompt_lookup_min, config.prompt_lookup_max) if config.prompt_lookup_max else None
+
+
 class Drafter:
     def __init__(
         self,
@@ -85,6 +91,7 @@ class Drafter:
         block_manager: BlockManager,
         vocab_size: int,
         budget: DraftBudget | None = None,
+        lookup: tuple[int, int] | None = None,
     ) -> None:
         self.runner = runner
         self.block_manager = block_manager
@@ -97,6 +104,12 @@ class Drafter:
         self.mirror_budgets: dict[int, KVBudget] = {}  # target seq_id -> the budget of its mirror
         self.settled: dict[int, int] = {}  # target seq_id -> tokens valid at the last settle
         self.undraftable: set[int] = set()  # target seq_ids whose drafting raised: never drafted
+        # Prompt lookup (core/prompt_lookup.py): n-gram sizes, each target sequence's index, and
+        # how many chain proposals (sequence-steps) and tokens it made instead of the model.
+        self.lookup = lookup
+        self.lookups: dict[int, PromptLookup] = {}
+        self.lookup_proposals = 0
+        self.lookup_tokens = 0
         # Greedy unbudgeted forwards skip the runner's execute (``draft_chain.py``); False runs
         # every forward through it (the reference the chained path is tested against).
         self.chained = True
@@ -181,6 +194,7 @@ class Drafter:
 
     def release(self, target: Sequence) -> None:
         self.undraftable.discard(target.seq_id)
+        self.lookups.pop(target.seq_id, None)
         mirror = self.mirrors.pop(target.seq_id, None)
         self.generators.pop(target.seq_id, None)
         self.generator_marks.drop(target.seq_id)
@@ -202,6 +216,7 @@ class Drafter:
         self.mirror_budgets.clear()
         self.settled.clear()
         self.undraftable.clear()
+        self.lookups.clear()
 
     def _step_input(self, batch: list[tuple[Sequence, Sequence, int]], num_decode: int, step: int) -> StepInput:
         """The forward's input over ``batch`` ((mirror, target, new tokens), decodes first):
@@ -366,7 +381,8 @@ class Drafter:
         mirrors = [self._sync(t) for t in targets]
         for t in targets:
             self.generator_marks.before_draws(t.seq_id, self.generators[t.seq_id], len(t.output_token_ids))
-        active = [i for i in range(b) if num_draft[i] > 0]
+        looked_up = self._look_up(targets, num_draft, tokens, proposed)
+        active = [i for i in range(b) if num_draft[i] > 0 and i not in looked_up]
         chain: _Chain | None = None  # the last greedy forward, while the next can follow on from it
         for step in range(k_max):
             decode, chunks = [], []  # (row, new tokens): one-token decodes first, like the target's
@@ -409,7 +425,40 @@ class Drafter:
                 proposed[i] += 1
                 m.output_token_ids.append(token)
             active = [i for i in batch if proposed[i] < num_draft[i]]
+        if looked_up and not st_all.all_greedy:  # a copied token is a point mass: p = 1 there
+            if probs is None:
+                probs = torch.zeros(b, k_max, self.vocab_size, dtype=torch.float32, device=self.runner.device)
+            rows = [i for i in looked_up for _ in range(proposed[i])]
+            cols = [j for i in looked_up for j in range(proposed[i])]
+            dev = probs.device
+            probs[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev),
+                  tokens[rows, cols].to(dev)] = 1.0
         return Proposal(tokens, probs, torch.tensor(proposed, dtype=torch.int64))
+
+    def _look_up(self, targets: list[Sequence], num_draft: list[int], tokens: torch.Tensor,
+                 proposed: list[int]) -> set[int]:
+        """Prompt lookup for every sequence that wants drafts: where its last n tokens occurred
+        before, the tokens that followed them go into ``tokens`` [b, k_max] and ``proposed``
+        instead of the draft model's (no forward for that sequence this step; its mirror
+        catches up at its next model proposal). Returns the rows it filled."""
+        if self.lookup is None:
+            return set()
+        filled = set()
+        for i, target in enumerate(targets):
+            if num_draft[i] <= 0:
+                continue
+            index = self.lookups.get(target.seq_id)
+            if index is None:
+                index = self.lookups[target.seq_id] = PromptLookup(*self.lookup)
+            index.sync(target.prompt_token_ids, target.output_token_ids)
+            found = index.propose(num_draft[i])
+            if found:
+                tokens[i, : len(found)] = torch.tensor(found, dtype=torch.int64)
+                proposed[i] = len(found)
+                filled.add(i)
+                self.lookup_proposals += 1
+                self.lookup_tokens += len(found)
+        return filled
 
     def _greedy_forward(
         self, mirrors: list[Sequence], targets: list[Sequence], rows: list[tuple[int, int]],

@@ -1,0 +1,93 @@
+"""Prompt lookup in the engine (stories260K target, a perturbed copy as the draft): drafts
+copied from earlier in the sequence leave greedy output equal to the target alone for every K
+and the sampled joint of the first two tokens equal to the target's exact one; the lookup
+really drafts (its counters), and a sequence with no repeat still gets the model's drafts."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from keyserve import LLM, SamplingParams
+from tests.engine.test_speculative_engine import _exact_first_two, _prompts, assert_counts_match
+
+
+@pytest.fixture(scope="module")
+def target(stories_path: str) -> LLM:
+    return LLM(stories_path, num_blocks=400)
+
+
+@pytest.fixture(scope="module")
+def lookup(stories_path: str, draft_dir: str) -> LLM:
+    return LLM(stories_path, num_blocks=400, draft=draft_dir, num_speculative_tokens=4,
+               prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+def test_greedy_equals_target_for_every_k(target: LLM, lookup: LLM) -> None:
+    """stories260K loops within a few dozen tokens, so most steps draft by lookup; the rest
+    (and the first steps of short prompts) by the draft model."""
+    prompts = _prompts(12)
+    lengths = [40 + (i * 7) % 30 for i in range(12)]
+    alone = target.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
+    drafter = lookup.engine.speculative.drafter
+    for k in (1, 2, 4, 6):
+        before = drafter.lookup_proposals, lookup.engine.speculative.stats.num_draft_tokens
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, num_speculative_tokens=k)
+                  for n in lengths]
+        outs = lookup.generate(prompts, params)
+        for a, b in zip(alone, outs):
+            assert b.token_ids == a.token_ids, f"K={k}"
+        looked = drafter.lookup_proposals - before[0]
+        drafted = lookup.engine.speculative.stats.num_draft_tokens - before[1]
+        steps = sum(round(o.stats.generated_tokens / o.stats.spec_tokens_per_forward) for o in outs)
+        assert 0 < looked < steps, f"K={k}: {looked} lookups in {steps} steps"  # both proposers drafted
+        rates = [o.stats.spec_acceptance_rate for o in outs]
+        assert 0.0 < sum(rates) / len(rates) < 1.0 and drafted > 0
+    engine = lookup.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert drafter.block_manager.num_free_blocks == drafter.block_manager.num_blocks
+    assert not drafter.mirrors and not drafter.lookups
+
+
+def test_a_lookup_draft_is_verified_like_any_other(lookup: LLM) -> None:
+    """A prompt that repeats itself: the first speculative step copies what followed the last
+    token's earlier occurrence, and the target accepts that copy when it agrees."""
+    drafter = lookup.engine.speculative.drafter
+    before = drafter.lookup_proposals, drafter.lookup_tokens
+    [out] = lookup.generate(["the cat sat on the mat . the cat sat on the mat . the cat sat on the"],
+                            SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, num_speculative_tokens=4))
+    assert drafter.lookup_proposals > before[0] and drafter.lookup_tokens > before[1]
+    assert out.stats.spec_accepted_tokens > 0
+
+
+def test_sampled_with_top_k_top_p_equals_target_exactly(stories_path: str, draft_dir: str) -> None:
+    """Temperature 0.7, top-p 0.9, top-k 50: the first two tokens of 20,480 samples against the
+    target's exact joint q(t1)·q(t2 | t1). With n-grams down to one token, the first speculative
+    step (which gives t2) drafts by lookup whenever t1 occurred in the prompt: a point-mass
+    draft, accepted with probability q(x), else t2 drawn from q without x.
+
+    Power (as test_speculative_engine's): a 0.02 shift in any cell is ≥ 5.7 standard errors,
+    each cell is tested at 4.4. Mutation it catches: the copied token's p left at 0 instead of
+    1 (every copy with q > 0 accepted): cell (t1, t2) = (286, 261) 29.7 standard errors off."""
+    # 3 tokens: the step after t1 drafts one (a step never drafts past max_tokens)
+    params = SamplingParams(n=64, max_tokens=3, temperature=0.7, top_p=0.9, top_k=50, ignore_eos=True,
+                            num_speculative_tokens=2)
+    llm = LLM(stories_path, num_blocks=1400, max_num_seqs=512, draft=draft_dir, num_speculative_tokens=2,
+              prompt_lookup_max=2, prompt_lookup_min=1)
+    # t1 is 'was' half the time, which occurred before ('max was sad'): the copy 'sad' is the
+    # target's t2 about one time in eight, so both acceptance and the residual draw are exercised
+    prompt = llm.tokenizer.encode("the little dog was happy. one day the big dog named max was sad. the little cat")
+    requests = 320
+    outs = llm.generate([prompt] * requests, [params.model_copy(update={"seed": i}) for i in range(requests)])
+    drafter = llm.engine.speculative.drafter
+    n = requests * 64
+    assert drafter.lookup_proposals > n // 4  # half the first speculative steps drafted by lookup
+    stats = llm.engine.speculative.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    counts = Counter((o.token_ids[0], o.token_ids[1]) for out in outs for o in out.outputs)
+    assert sum(counts.values()) == n
+    exact = _exact_first_two(stories_path, prompt, params)
+    assert set(counts) <= set(exact), f"emitted outside the target's support: {set(counts) - set(exact)}"
+    assert len(exact) <= 100
+    assert_counts_match(counts, exact, n)
