@@ -12,7 +12,10 @@ With ``--ray`` also the Ray engine (TP = 1, its default step path) at batch 1: o
 turns in the same rounds (the ``ray`` rows; their speed-up is over the Ray engine's plain row).
 With ``--trees`` also trees of drafts of each shape (``speculative_tree``), fixed and with
 adaptive K (per sequence the tree or plain decoding), in process and, with ``--ray``, on the
-Ray engine's draft actor.
+Ray engine's draft actor. With ``--lookups N`` every in-process chain row (fixed and adaptive K)
+runs a second time with prompt lookup first (``prompt_lookup_max`` N, ``--lookup-min``: drafts
+copied from earlier in the sequence where its last n tokens occurred before, the draft model
+elsewhere), on the same engine.
 
 So that a reader can trust it: every configuration runs the same ``--num-prompts`` prompts
 (16 distinct by default) x ``--max-tokens`` (128); every contender gets an untimed warm-up of
@@ -81,7 +84,8 @@ TARGETS = {(1, 0.0): 1.8, (1, 0.8): 1.4, (8, 0.0): 1.1, (8, 0.8): 1.1}
 SECTION_TITLES = {"speculative_ray": "Speculative sampling on the Ray engine: the draft actor against its own plain "
                   "decoding (issue 19)",
                   "speculative_tree": "Speculative sampling: trees of drafts against chains (issue 19)",
-                  "speculative_guard": "Speculative sampling: adaptive K with the outcome guard (issue 19)"}
+                  "speculative_guard": "Speculative sampling: adaptive K with the outcome guard (issue 19)",
+                  "speculative_lookup": "Speculative sampling: prompt lookup before the draft model (issue 19)"}
 RAY_TARGETS = {0.0: 1.5}  # issue 19: the Ray engine with the draft actor, batch 1, over its own plain decoding
 
 
@@ -99,11 +103,13 @@ class Row:
     adaptive: bool = False  # keyserve with adaptive K, k the cap
     repeat: int = 0  # which interleaved round
     tree: str = ""  # keyserve verifying a tree of drafts of this shape (speculative_tree; k = 0)
+    lookup: int = 0  # prompt lookup's largest n-gram (prompt_lookup_max; 0: the draft model alone)
+    lookup_drafted: int = 0  # drafts that prompt lookup made (the rest the draft model's)
 
     @property
     def contender(self) -> tuple:
         """What the row measures, whatever the round."""
-        return (self.engine, self.adaptive, self.batch, self.temperature, self.k, self.tree)
+        return (self.engine, self.adaptive, self.batch, self.temperature, self.k, self.tree, self.lookup)
 
     @property
     def plain(self) -> bool:
@@ -125,7 +131,7 @@ class Row:
 
 # ------------------------------------------------------------------------ keyserve
 def keyserve_run(llm, batch: int, temperature: float, k: int, prompts: list[str], max_tokens: int,
-                 adaptive: bool = False, tree: str = "") -> Row:
+                 adaptive: bool = False, tree: str = "", lookup: int = 0) -> Row:
     from keyserve import SamplingParams
 
     def params(i: int) -> SamplingParams:
@@ -136,7 +142,10 @@ def keyserve_run(llm, batch: int, temperature: float, k: int, prompts: list[str]
     if not ray:
         llm.engine.block_manager.reset_prefix_cache()
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-    row = Row("ray" if ray else "keyserve", batch, temperature, k, 0, 0.0, adaptive=adaptive, tree=tree)
+    row = Row("ray" if ray else "keyserve", batch, temperature, k, 0, 0.0, adaptive=adaptive, tree=tree,
+              lookup=lookup)
+    drafter = getattr(llm.engine.speculative, "drafter", None)
+    looked_before = getattr(drafter, "lookup_tokens", 0)
     for group in groups:
         t = time.perf_counter()
         outs = llm.generate(group, [params(i) for i in range(len(group))], chat=True)
@@ -150,6 +159,7 @@ def keyserve_run(llm, batch: int, temperature: float, k: int, prompts: list[str]
                 row.target_forwards += round(s.generated_tokens / s.spec_tokens_per_forward)
             else:
                 row.target_forwards += s.generated_tokens
+    row.lookup_drafted = getattr(drafter, "lookup_tokens", 0) - looked_before
     return row
 
 
@@ -175,6 +185,26 @@ def adaptive_k(llm, on: bool):  # noqa: ANN001, ANN201
         yield
     finally:
         policy.config = before
+
+
+@contextlib.contextmanager
+def prompt_lookup(llm, max_n: int, min_n: int):  # noqa: ANN001, ANN201
+    """The in-process drafter drafting by prompt lookup (n-grams min_n..max_n) first for one
+    run, the draft model alone otherwise: one engine for every keyserve row, as for
+    ``adaptive_k``."""
+    drafter = getattr(llm.engine.speculative, "drafter", None)
+    if drafter is None or not hasattr(drafter, "lookups"):  # no draft, or the Ray engine's actor
+        assert not max_n
+        yield
+        return
+    before = drafter.lookup
+    drafter.lookup = (min_n, max_n) if max_n else None
+    drafter.lookups.clear()
+    try:
+        yield
+    finally:
+        drafter.lookup = before
+        drafter.lookups.clear()
 
 
 @contextlib.contextmanager
@@ -455,6 +485,7 @@ class Measured:
     drafted: int
     accepted: int
     target_forwards: int
+    lookup_drafted: int = 0
 
     @property
     def median(self) -> float:
@@ -477,7 +508,8 @@ class Measured:
         r = self.first
         if r.tree:
             return ("adaptive " if r.adaptive else "") + "tree " + r.tree
-        return "adaptive ≤ " + str(r.k) if r.adaptive else str(r.k or "off")
+        lookup = f" + lookup ≤ {r.lookup}" if r.lookup else ""
+        return ("adaptive ≤ " + str(r.k) if r.adaptive else str(r.k or "off")) + lookup
 
 
 def aggregate(rows: list[Row]) -> dict[tuple, Measured]:
@@ -485,10 +517,12 @@ def aggregate(rows: list[Row]) -> dict[tuple, Measured]:
     for r in rows:
         m = out.get(r.contender)
         if m is None:
-            out[r.contender] = Measured(r, [r.tok_s], r.tokens, r.drafted, r.accepted, r.target_forwards)
+            out[r.contender] = Measured(r, [r.tok_s], r.tokens, r.drafted, r.accepted, r.target_forwards,
+                                        r.lookup_drafted)
         else:
             m.tok_s.append(r.tok_s)
             m.drafted, m.accepted = m.drafted + r.drafted, m.accepted + r.accepted
+            m.lookup_drafted += r.lookup_drafted
             m.target_forwards += r.target_forwards
     return out
 
@@ -515,6 +549,7 @@ def render(rows: list[Row], meta: dict) -> str:
             f"{m.tokens_per_forward:.2f}" if m.tokens_per_forward else "–",
             f"{m.median / b:.2f}×" if b else "–",
             f"{m.median / hf.median:.2f}×" if hf and r.engine == "keyserve" else "–",
+            f"{m.lookup_drafted / m.drafted:.2f}" if r.lookup and m.drafted else "–",
         ])
     best = _fastest([m for m in ours if not m.first.plain and not m.first.adaptive], lambda r: (r.batch, r.temperature))
     adaptive_rows = sorted((m for m in ours if m.first.adaptive), key=lambda m: (m.first.tree, m.first.k))
@@ -525,7 +560,7 @@ def render(rows: list[Row], meta: dict) -> str:
         plain, ad = base[(batch, temp)], adaptive.get((batch, temp))
         hf, hf_plain = (hf_best.get(temp), theirs.get((temp, 0))) if batch == 1 else (None, None)
         summary.append([
-            batch, temp, f"{plain:.1f}", f"{m.label if m.first.tree else 'K=' + str(m.first.k)}: {m.median:.1f}",
+            batch, temp, f"{plain:.1f}", f"{m.label if m.first.tree or m.first.lookup else 'K=' + str(m.first.k)}: {m.median:.1f}",
             f"{m.median / plain:.2f}×",
             f"{ad.label}: {ad.median:.1f} ({ad.median / plain:.2f}×)" if ad else "–",
             f"{hf_plain.median:.1f}" if hf_plain else "–",
@@ -547,7 +582,7 @@ def render(rows: list[Row], meta: dict) -> str:
             verdicts.append(f"adaptive K ({each.label}) never slower than plain, batch {batch}, T = {temp}: "
                             f"**{'met' if each.median >= plain else 'NOT met'}** ({each.median / plain:.2f}×, "
                             f"rounds {each.spread} tok/s against plain "
-                            f"{agg[('keyserve', False, batch, temp, 0, '')].spread})")
+                            f"{agg[('keyserve', False, batch, temp, 0, '', 0)].spread})")
     for temp in sorted({m.first.temperature for m in ray_rows}):
         plain = ray_base.get((1, temp))
         spec = [m for m in ray_rows if (m.first.k or m.first.tree) and m.first.batch == 1 and m.first.temperature == temp]
@@ -601,7 +636,7 @@ def render(rows: list[Row], meta: dict) -> str:
         "",
         markdown_table(["engine", "batch", "temperature", "K", "tokens", "tok/s", "spread tok/s", "acceptance",
                         "tokens / target forward", "vs the same engine without a draft",
-                        "vs transformers assisted, same K"],
+                        "vs transformers assisted, same K", "share drafted by lookup"],
                        table),
         "",
         "The speed-up at K is about (tokens per target forward) ÷ (cost of a speculative step ÷ cost of a plain "
@@ -631,23 +666,26 @@ def plot(rows: list[Row], path: Path) -> None:
 
     agg = [m for m in aggregate(rows).values() if not m.first.adaptive]  # medians over rounds
     base = {(m.first.engine, m.first.batch, m.first.temperature): m.median for m in agg if m.first.plain}
+    lookups = sorted({m.first.lookup for m in agg})
     from keyserve.core.spec_tree import TreeShape
 
     fig, ax = plt.subplots(figsize=(7, 4))
     colours = {}
-    for key in sorted(base):
-        pts = sorted((m for m in agg if (m.first.engine, m.first.batch, m.first.temperature) == key and m.first.k),
-                     key=lambda m: m.first.k)
-        trees = [m for m in agg if (m.first.engine, m.first.batch, m.first.temperature) == key and m.first.tree]
+    for key, lookup in ((key, n) for key in sorted(base) for n in lookups):
+        pts = sorted((m for m in agg if (m.first.engine, m.first.batch, m.first.temperature) == key and m.first.k
+                      and m.first.lookup == lookup), key=lambda m: m.first.k)
+        trees = [m for m in agg if (m.first.engine, m.first.batch, m.first.temperature) == key and m.first.tree
+                 and not lookup]
         if not pts and not trees:
             continue
         (line,) = ax.plot([m.first.k for m in pts], [m.median / base[key] for m in pts], marker="o",
-                          linestyle="-" if key[0] == "keyserve" else "--",
-                          label=f"{key[0]} batch {key[1]} T={key[2]}" + (" (stars: trees)" if trees else ""))
-        colours[key] = line.get_color()
+                          linestyle=":" if lookup else "-" if key[0] == "keyserve" else "--",
+                          label=f"{key[0]} batch {key[1]} T={key[2]}" + (f" + lookup ≤ {lookup}" if lookup else "")
+                          + (" (stars: trees)" if trees else ""))
+        colours[key, lookup] = line.get_color()
         for m in trees:  # one star per tree shape, at its node count, labelled with the shape
             x, y = TreeShape.parse(m.first.tree).num_nodes, m.median / base[key]
-            ax.scatter([x], [y], marker="*", s=110, zorder=3, color=colours[key])
+            ax.scatter([x], [y], marker="*", s=110, zorder=3, color=colours[key, lookup])
             ax.annotate(m.first.tree, (x, y), textcoords="offset points", xytext=(6, -3), fontsize=7)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("K (draft tokens per step; a tree at its node count)")
@@ -675,6 +713,10 @@ def main() -> None:
                     help="prompts per configuration, every batch size (rounded up to a multiple of it)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--skip-adaptive", action="store_true", help="no adaptive-K rows")
+    ap.add_argument("--lookups", type=int, nargs="*", default=[],
+                    help="also every in-process chain row (fixed and adaptive K) with prompt lookup first, "
+                         "n-grams up to each of these (prompt_lookup_max)")
+    ap.add_argument("--lookup-min", type=int, default=2, help="prompt lookup's shortest n-gram (prompt_lookup_min)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers rows")
     ap.add_argument("--ray", action="store_true",
@@ -787,17 +829,21 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
                     for tree in ["", *args.trees]]
     if not args.skip_hf:
         configs += [("transformers", False, 1, t, k, "") for t in args.temperatures for k in [0, *args.ks]]
+    # Prompt lookup before the draft model (core/prompt_lookup.py): each in-process chain row again
+    configs = [(*c, 0) for c in configs]
+    configs += [(*c[:6], n) for n in args.lookups for c in list(configs)
+                if c[0] == "keyserve" and c[4] and not c[5] and not c[6]]
     # Interleave engines so slow drift of the machine's load hits every contender alike.
-    configs.sort(key=lambda c: (c[3], c[4], c[5], c[2], c[0], c[1]))
+    configs.sort(key=lambda c: (c[3], c[4], c[5], c[6], c[2], c[0], c[1]))
 
     def run(config: tuple, num_prompts: int, max_tokens: int) -> Row:
-        engine, adaptive, batch, temp, k, tree = config
+        engine, adaptive, batch, temp, k, tree, lookup = config
         n = -(-max(num_prompts, batch) // batch) * batch
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
         with torch.inference_mode():
             if engine == "keyserve":
-                with adaptive_k(llm, adaptive), tree_shape(llm, tree):
-                    return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive, tree)
+                with adaptive_k(llm, adaptive), tree_shape(llm, tree), prompt_lookup(llm, lookup, args.lookup_min):
+                    return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive, tree, lookup)
             if engine == "ray":
                 ray_llm = rays["draft" if k or tree else "plain"]
                 try:

@@ -121,14 +121,16 @@ def test_plain_and_kv_budgets_equal_in_process(stories_path: str) -> None:
     assert any(o.stats.kv_tokens_evicted for o in got)
 
 
-@pytest.mark.parametrize("draft_kv_policy,target_budgets,tree", [
-    (None, False, None),
-    ("h2o", False, None),  # a budgeted draft (h2o: deterministic)
-    (None, True, None),  # budgeted targets speculating: spare slots, settled on every rank
-    (None, True, "2x2"),  # trees of drafts from the draft actor, chains for the budgeted requests
+@pytest.mark.parametrize("draft_kv_policy,target_budgets,tree,lookup", [
+    (None, False, None, 0),
+    ("h2o", False, None, 0),  # a budgeted draft (h2o: deterministic)
+    # budgeted targets speculating: spare slots, settled on every rank; prompt lookup in the
+    # draft actor (the draft counts below differ if the actor drafted by model alone)
+    (None, True, None, 3),
+    (None, True, "2x2", 0),  # trees of drafts from the draft actor, chains for the budgeted requests
 ])
 def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_kv_policy: str | None,
-                                       target_budgets: bool, tree: str | None) -> None:
+                                       target_budgets: bool, tree: str | None, lookup: int) -> None:
     prompts = _prompts(32, seed=2)
     params = [_params(i, num_speculative_tokens=1 + i % 4) for i in range(32)]
     if target_budgets:  # the score-based and score-free policies whose noise is not random
@@ -137,8 +139,12 @@ def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_
                 params[i] = p.model_copy(update=dict(kv_policy=["window", "h2o", "streaming_llm"][i % 3],
                                                      kv_budget=0.5))
     opts = dict(OPTIONS, draft=draft_dir, draft_kv_policy=draft_kv_policy,
-                draft_kv_budget=0.5 if draft_kv_policy else None, speculative_tree=tree)
-    want = LLM(stories_path, **opts).generate(prompts, params)
+                draft_kv_budget=0.5 if draft_kv_policy else None, speculative_tree=tree,
+                prompt_lookup_max=lookup)
+    local = LLM(stories_path, **opts)
+    want = local.generate(prompts, params)
+    if lookup:
+        assert local.engine.speculative.drafter.lookup_proposals > 0
     with RayLLM(stories_path, worker_threads=1, actor_niceness=0, **opts) as ray_llm:
         got = ray_llm.generate(prompts, params)
         engine = ray_llm.engine

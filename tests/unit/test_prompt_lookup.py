@@ -76,3 +76,16 @@ def test_rejects_bad_sizes() -> None:
         PromptLookup(0, 2)
     with pytest.raises(ValueError):
         PromptLookup(3, 2)
+
+
+def test_engine_options_name_the_sizes() -> None:
+    from pydantic import ValidationError
+
+    from keyserve.config import EngineConfig, SpeculativeConfig
+    from keyserve.engine.drafter import draft_lookup
+
+    config = EngineConfig.from_flat(model="m", draft="d", prompt_lookup_max=3)
+    assert draft_lookup(config.spec) == (2, 3)
+    assert draft_lookup(SpeculativeConfig()) is None  # off by default
+    with pytest.raises(ValidationError, match="prompt_lookup_min"):
+        SpeculativeConfig(prompt_lookup_max=2, prompt_lookup_min=3)

@@ -12,9 +12,9 @@ draft model for that sequence. As a proposal it is a point mass: p(x) = 1 for th
 which rejection sampling handles exactly (accepted with probability q(x), else a token drawn
 from q with x removed), so output stays the target's.
 
-Pure Python + NumPy: one growing int32 array per sequence, searched with a sliding-window
-comparison (tens of microseconds at a few thousand tokens), longest n first, latest occurrence
-first (vLLM's ``prompt_lookup_max``/``prompt_lookup_min`` semantics, latest rather than first
+Pure Python + NumPy: one growing int64 array per sequence; a lookup is one vectorised pass over
+it (microseconds at a few thousand tokens) and a few comparisons per candidate; longest n first,
+latest occurrence first (vLLM's ``prompt_lookup_max``/``prompt_lookup_min`` semantics, latest rather than first
 match: the recent past predicts better in a looping answer).
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class PromptLookup:
@@ -60,18 +59,28 @@ class PromptLookup:
 
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's last
-        n tokens, for the largest n in [min_n, max_n] that occurred before; [] if none did."""
+        n tokens, for the largest n in [min_n, max_n] that occurred before; [] if none did.
+
+        One vectorised pass finds the earlier occurrences of the last token; each is then
+        extended backwards, at most max_n - 1 comparisons of those candidates alone."""
         length = self._len
-        if k <= 0:
+        if k <= 0 or length < self.min_n + 1:
             return []
         tokens = self._tokens[:length]
+        # ends of earlier occurrences: before the last token, so the token after each exists
+        ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+        if ends.size == 0:
+            return []
+        matched = np.ones(ends.size, dtype=np.int64)  # how many tokens each end matches, backwards
+        alive = np.ones(ends.size, dtype=bool)
+        for back in range(1, min(self.max_n, length - 1)):
+            prev = ends - back
+            alive &= prev >= 0
+            alive[alive] = tokens[prev[alive]] == tokens[length - 1 - back]
+            matched += alive
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix = tokens[length - n :]
-            # windows starting at 0 .. length - n - 1: each ends before the suffix's last token,
-            # so the token after it exists
-            windows = sliding_window_view(tokens[: length - 1], n)  # [length - n, n]
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            hits = np.flatnonzero(matched >= n)
             if hits.size:
-                start = int(hits[-1]) + n
+                start = int(ends[hits[-1]]) + 1
                 return tokens[start : min(start + k, length)].tolist()
         return []
