@@ -20,8 +20,12 @@ elsewhere), on the same engine.
 So that a reader can trust it: every configuration runs the same ``--num-prompts`` prompts
 (16 distinct by default) x ``--max-tokens`` (128); every contender gets an untimed warm-up of
 every configuration first (keyserve, keyserve adaptive and transformers alike); then
-``--repeats`` (3) interleaved rounds, each running every configuration once, in reverse order on
-odd rounds, so a slow drift of the machine's load hits every contender alike. Reported: the
+``--rounds`` (3) interleaved rounds, each running every configuration once, in reverse order on
+odd rounds, so a slow drift of the machine's load hits every contender alike; within a round,
+``--slices`` (4): every configuration runs on a quarter of its prompt batches, then every
+configuration on the next quarter (the order reversed each time), because a run on the 2-core
+EPYC (2026-12-02) sped up by half within its 38 minutes, and a configuration's 16 prompts at
+batch 1 take over a minute. Reported: the
 median over rounds and the spread (min-max) of tokens/s.
 
 Reported per row: generated tokens/s over the wall time of the generate calls (prefill
@@ -30,7 +34,7 @@ target forward, and the speed-up over keyserve's own non-speculative decoding at
 and temperature (ratio of medians). For transformers the counts come from forward hooks on both
 models (accepted = generated − target forwards after the first; drafted = draft forwards).
 
-    python bench/spec_bench.py [--ks 1 2 3 4 5 6] [--num-prompts 16] [--max-tokens 128] [--repeats 3]
+    python bench/spec_bench.py [--ks 1 2 3 4 5 6] [--num-prompts 16] [--max-tokens 128] [--rounds 3] [--slices 4]
 
 Writes the "speculative" section of docs/BENCHMARKS.md and docs/bench_spec.png.
 
@@ -105,6 +109,13 @@ class Row:
     tree: str = ""  # keyserve verifying a tree of drafts of this shape (speculative_tree; k = 0)
     lookup: int = 0  # prompt lookup's largest n-gram (prompt_lookup_max; 0: the draft model alone)
     lookup_drafted: int = 0  # drafts that prompt lookup made (the rest the draft model's)
+
+    def merged(self, other: "Row") -> "Row":
+        """This row and another part of the same round of the same contender, as one."""
+        out = Row(**asdict(self))
+        for name in ("tokens", "seconds", "drafted", "accepted", "target_forwards", "lookup_drafted"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        return out
 
     @property
     def contender(self) -> tuple:
@@ -608,7 +619,9 @@ def render(rows: list[Row], meta: dict) -> str:
         f"target's {meta['target_params_m']:.1f} M); float32; {meta['num_prompts']} chat prompts × "
         f"{meta['max_tokens']} generated tokens per configuration (EOS ignored); "
         + (f"an untimed warm-up of every configuration for every contender, then {meta['repeats']} "
-           f"interleaved rounds (medians and min–max spread of tok/s over rounds)" if "repeats" in meta else
+           f"interleaved rounds (medians and min–max spread of tok/s over rounds)"
+           + (f", each round in {meta['slices']} slices of the prompts (every configuration on one slice, "
+              "then the next)" if meta.get("slices", 1) > 1 else "") if "repeats" in meta else
            "an older run: one round (no spread), a warm-up for keyserve alone")
         + (f" (measured by `{meta['command']}`)" if "command" in meta else "")
         + f"; torch threads {meta['threads']} on both "
@@ -731,6 +744,10 @@ def main() -> None:
     ap.add_argument("--step-cost", action="store_true",
                     help="the per-step cost model instead (plain vs speculative, by phase; issue 19)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (at least 3 for a spread)")
+    ap.add_argument("--slices", type=int, default=4,
+                    help="each round runs every configuration on one slice of the prompts' batches, then the "
+                         "next (order reversed every other slice), so that a drift of the machine's speed "
+                         "within a round lands on every contender alike; 1: each configuration's prompts at once")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="another --step-cost json to show beside this run (--step-cost)")
     args = ap.parse_args()
@@ -836,10 +853,15 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
     # Interleave engines so slow drift of the machine's load hits every contender alike.
     configs.sort(key=lambda c: (c[3], c[4], c[5], c[6], c[2], c[0], c[1]))
 
-    def run(config: tuple, num_prompts: int, max_tokens: int) -> Row:
+    def run(config: tuple, num_prompts: int, max_tokens: int, part: tuple[int, int] = (0, 1)) -> Row | None:
+        """One configuration over its prompts' batches number part[0], part[0] + part[1], ...
+        (all of them by default); None when that part holds none."""
         engine, adaptive, batch, temp, k, tree, lookup = config
         n = -(-max(num_prompts, batch) // batch) * batch
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+        mine = [start for j, start in enumerate(range(0, n, batch)) if j % part[1] == part[0]]
+        if not mine:
+            return None
+        prompts = [PROMPTS[i % len(PROMPTS)] for start in mine for i in range(start, start + batch)]
         with torch.inference_mode():
             if engine == "keyserve":
                 with adaptive_k(llm, adaptive), tree_shape(llm, tree), prompt_lookup(llm, lookup, args.lookup_min):
@@ -858,20 +880,32 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
     for config in tqdm(configs, desc="warm-up", unit="config"):
         run(config, 1, min(16, args.max_tokens))
     rows = []
+    slices = max(1, args.slices)
     for rnd in range(args.rounds):
-        for config in tqdm(configs if rnd % 2 == 0 else configs[::-1], desc=f"round {rnd + 1}/{args.rounds}",
-                           unit="config"):
-            r = run(config, args.num_prompts, args.max_tokens)
+        order = configs if rnd % 2 == 0 else configs[::-1]
+        parts: dict[tuple, Row] = {}
+        bar = tqdm(total=len(configs) * slices, desc=f"round {rnd + 1}/{args.rounds}", unit="run")
+        for part in range(slices):  # every configuration on this slice of the prompts, then the next
+            for config in order if part % 2 == 0 else order[::-1]:
+                r = run(config, args.num_prompts, args.max_tokens, (part, slices))
+                bar.update(1)
+                if r is not None:
+                    parts[config] = r if config not in parts else parts[config].merged(r)
+        bar.close()
+        for config in order:
+            r = parts[config]
             r.repeat = rnd
             rows.append(r)
             tqdm.write(f"{r.engine:12s}{' adaptive' if r.adaptive else ''} batch {r.batch} T={r.temperature} "
-                       f"K={r.k}{' tree ' + r.tree if r.tree else ''}: {r.tok_s:6.1f} tok/s acceptance {r.acceptance if r.acceptance is not None else '-'}")
+                       f"K={r.k}{' tree ' + r.tree if r.tree else ''}{' lookup ' + str(r.lookup) if r.lookup else ''}: "
+                       f"{r.tok_s:6.1f} tok/s acceptance {r.acceptance if r.acceptance is not None else '-'}")
     for ray_llm in rays.values():
         ray_llm.shutdown()
     guard = llm.engine.speculative.guard  # the adaptive rows' verdicts over the whole run (core/spec_guard.py)
     guard_losses = {f"batch {b}, T {'> 0' if s else '= 0'}": guard.losses(b, s)
                     for b in args.batches for s in sorted({t > 0 for t in args.temperatures})}
     meta = dict(guard_losses=guard_losses, num_prompts=args.num_prompts, max_tokens=args.max_tokens, repeats=args.rounds,
+                slices=slices,
                 threads=torch.get_num_threads(), ray=bool(rays),
                 transformers=transformers.__version__, load_before=load_before, load_after=_load_avg(),
                 wall_min=(time.perf_counter() - start) / 60, draft_params_m=draft_params / 1e6,
