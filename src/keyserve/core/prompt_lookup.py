@@ -14,8 +14,8 @@ from q with x removed), so output stays the target's.
 
 Pure Python + NumPy: one growing int64 array per sequence; a lookup is one vectorised pass over
 it (microseconds at a few thousand tokens) and a few comparisons per candidate; longest n first,
-latest occurrence first (vLLM's ``prompt_lookup_max``/``prompt_lookup_min`` semantics, latest rather than first
-match: the recent past predicts better in a looping answer).
+latest occurrence first (vLLM's ``prompt_lookup_max``/``prompt_lookup_min`` semantics, latest
+rather than first match: the recent past predicts better in a looping answer).
 """
 
 from __future__ import annotations

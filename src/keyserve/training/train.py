@@ -203,6 +203,7 @@ def _train_step(
     return float(loss.detach())
 
 
+@torch.random.fork_rng(devices=[])  # the CPU generator (training runs on the CPU), restored after
 def train_draft(
     model: DenseLlama,
     data: TeacherData,
@@ -218,21 +219,6 @@ def train_draft(
     held-out agreement before training and of the weights kept. Dropout draws from torch's
     generator seeded from ``cfg.seed`` (and the step a resumed run starts at), inside a fork
     of the caller's RNG state: the same seed trains the same draft, whatever ran before."""
-    with torch.random.fork_rng(devices=[]):  # the CPU generator: training runs on the CPU
-        return _train(model, data, train_seqs, heldout_seqs, head_ids, head_map, cfg, checkpoint, resume)
-
-
-def _train(
-    model: DenseLlama,
-    data: TeacherData,
-    train_seqs: list[int],
-    heldout_seqs: list[int],
-    head_ids: torch.Tensor,  # [N] int64 full-vocab id of each draft LM-head row
-    head_map: torch.Tensor,  # [vocab] int64 full id -> draft row, -1 = none
-    cfg: TrainConfig,
-    checkpoint: Checkpoint,
-    resume: bool,
-) -> TrainResult:
     tuner = ThreadTuner(cfg.max_threads)
     model.set_dropout(cfg.dropout)
     model.train()
