@@ -109,11 +109,13 @@ class Row:
     tree: str = ""  # keyserve verifying a tree of drafts of this shape (speculative_tree; k = 0)
     lookup: int = 0  # prompt lookup's largest n-gram (prompt_lookup_max; 0: the draft model alone)
     lookup_drafted: int = 0  # drafts that prompt lookup made (the rest the draft model's)
+    lookup_accepted: int = 0  # of them, accepted (the engine's ``SpeculativeDecoder.lookup_stats``)
 
     def merged(self, other: "Row") -> "Row":
         """This row and another part of the same round of the same contender, as one."""
         out = Row(**asdict(self))
-        for name in ("tokens", "seconds", "drafted", "accepted", "target_forwards", "lookup_drafted"):
+        for name in ("tokens", "seconds", "drafted", "accepted", "target_forwards", "lookup_drafted",
+                     "lookup_accepted"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         return out
 
@@ -157,6 +159,8 @@ def keyserve_run(llm, batch: int, temperature: float, k: int, prompts: list[str]
               lookup=lookup)
     drafter = getattr(llm.engine.speculative, "drafter", None)
     looked_before = getattr(drafter, "lookup_tokens", 0)
+    copies = getattr(llm.engine.speculative, "lookup_stats", None)
+    copies_accepted = copies.num_accepted_tokens if copies is not None else 0
     for group in groups:
         t = time.perf_counter()
         outs = llm.generate(group, [params(i) for i in range(len(group))], chat=True)
@@ -171,6 +175,7 @@ def keyserve_run(llm, batch: int, temperature: float, k: int, prompts: list[str]
             else:
                 row.target_forwards += s.generated_tokens
     row.lookup_drafted = getattr(drafter, "lookup_tokens", 0) - looked_before
+    row.lookup_accepted = (copies.num_accepted_tokens - copies_accepted) if copies is not None else 0
     return row
 
 
@@ -497,6 +502,7 @@ class Measured:
     accepted: int
     target_forwards: int
     lookup_drafted: int = 0
+    lookup_accepted: int = 0
 
     @property
     def median(self) -> float:
@@ -529,13 +535,25 @@ def aggregate(rows: list[Row]) -> dict[tuple, Measured]:
         m = out.get(r.contender)
         if m is None:
             out[r.contender] = Measured(r, [r.tok_s], r.tokens, r.drafted, r.accepted, r.target_forwards,
-                                        r.lookup_drafted)
+                                        r.lookup_drafted, r.lookup_accepted)
         else:
             m.tok_s.append(r.tok_s)
             m.drafted, m.accepted = m.drafted + r.drafted, m.accepted + r.accepted
             m.lookup_drafted += r.lookup_drafted
+            m.lookup_accepted += r.lookup_accepted
             m.target_forwards += r.target_forwards
     return out
+
+
+def _split_acceptance(m: Measured) -> str:
+    """Accepted ÷ drafted of prompt lookup's copies and of the draft model's drafts apart
+    (runs before the engine counted copies' acceptance show a dash)."""
+    model = m.drafted - m.lookup_drafted
+    if not m.lookup_accepted and m.lookup_drafted:
+        return "–"
+    copies = f"{m.lookup_accepted / m.lookup_drafted:.2f}" if m.lookup_drafted else "–"
+    own = f"{(m.accepted - m.lookup_accepted) / model:.2f}" if model else "–"
+    return f"{copies} / {own}"
 
 
 def render(rows: list[Row], meta: dict) -> str:
@@ -561,6 +579,7 @@ def render(rows: list[Row], meta: dict) -> str:
             f"{m.median / b:.2f}×" if b else "–",
             f"{m.median / hf.median:.2f}×" if hf and r.engine == "keyserve" else "–",
             f"{m.lookup_drafted / m.drafted:.2f}" if r.lookup and m.drafted else "–",
+            _split_acceptance(m) if r.lookup else "–",
         ])
     best = _fastest([m for m in ours if not m.first.plain and not m.first.adaptive], lambda r: (r.batch, r.temperature))
     adaptive_rows = sorted((m for m in ours if m.first.adaptive), key=lambda m: (m.first.tree, m.first.k))
@@ -649,7 +668,8 @@ def render(rows: list[Row], meta: dict) -> str:
         "",
         markdown_table(["engine", "batch", "temperature", "K", "tokens", "tok/s", "spread tok/s", "acceptance",
                         "tokens / target forward", "vs the same engine without a draft",
-                        "vs transformers assisted, same K", "share drafted by lookup"],
+                        "vs transformers assisted, same K", "share drafted by lookup",
+                        "acceptance: lookup / model"],
                        table),
         "",
         "The speed-up at K is about (tokens per target forward) ÷ (cost of a speculative step ÷ cost of a plain "

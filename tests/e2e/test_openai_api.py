@@ -152,6 +152,8 @@ def test_metrics_parse_and_count(server: LiveServer, model: str) -> None:
                  "keyserve:prefix_cache_queries_total", "keyserve:prefix_cache_hits_total",
                  "keyserve:num_preemptions_total", "keyserve:kv_tokens_evicted_total",
                  "keyserve:spec_decode_num_draft_tokens_total", "keyserve:spec_decode_num_accepted_tokens_total",
+                 "keyserve:spec_decode_num_lookup_draft_tokens_total",
+                 "keyserve:spec_decode_num_lookup_accepted_tokens_total",
                  "keyserve:time_to_first_token_seconds_count", "keyserve:time_per_output_token_seconds_count",
                  "keyserve:e2e_request_latency_seconds_count"):
         assert name in m, name

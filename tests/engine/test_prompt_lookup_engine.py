@@ -31,8 +31,9 @@ def test_greedy_equals_target_for_every_k(target: LLM, lookup: LLM) -> None:
     lengths = [40 + (i * 7) % 30 for i in range(12)]
     alone = target.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
     drafter = lookup.engine.speculative.drafter
+    spec = lookup.engine.speculative
     for k in (1, 2, 4, 6):
-        before = drafter.lookup_proposals, lookup.engine.speculative.stats.num_draft_tokens
+        before = drafter.lookup_proposals, spec.stats.num_draft_tokens, drafter.lookup_tokens, spec.lookup_stats.num_draft_tokens
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, num_speculative_tokens=k)
                   for n in lengths]
         outs = lookup.generate(prompts, params)
@@ -44,6 +45,9 @@ def test_greedy_equals_target_for_every_k(target: LLM, lookup: LLM) -> None:
         assert 0 < looked < steps, f"K={k}: {looked} lookups in {steps} steps"  # both proposers drafted
         rates = [o.stats.spec_acceptance_rate for o in outs]
         assert 0.0 < sum(rates) / len(rates) < 1.0 and drafted > 0
+        # the engine knows which verified drafts were copies (adaptive K leaves them out)
+        copied = spec.lookup_stats.num_draft_tokens - before[3]
+        assert copied == drafter.lookup_tokens - before[2] and 0 < copied < drafted, f"K={k}"
     engine = lookup.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert drafter.block_manager.num_free_blocks == drafter.block_manager.num_blocks

@@ -84,15 +84,17 @@ def test_adaptive_tree_rows_verify_trees_or_nothing(stories_path: str, draft_dir
 def test_lookup_rows_and_slices_of_a_round_render_as_one_contender() -> None:
     """``--lookups``: a chain row with prompt lookup first is its own contender beside the same
     K without it, with the share of its drafts that were copies; ``--slices``: the parts of a
-    round add up to one row (tokens, time and counts summed, so tok/s is the round's)."""
+    round add up to one row (tokens, time and counts summed, so tok/s is the round's); the
+    copies' and the model's acceptance apart (15 of 25 copies, 5 of 25 model drafts)."""
     from bench.spec_bench import Row, render
 
     first = Row("keyserve", 1, 0.0, 3, 60, 2.0, drafted=30, accepted=10, target_forwards=40, lookup=3,
-                lookup_drafted=12)
+                lookup_drafted=12, lookup_accepted=7)
     second = Row("keyserve", 1, 0.0, 3, 40, 3.0, drafted=20, accepted=10, target_forwards=25, lookup=3,
-                 lookup_drafted=13)
+                 lookup_drafted=13, lookup_accepted=8)
     whole = first.merged(second)
-    assert (whole.tokens, whole.seconds, whole.drafted, whole.lookup_drafted) == (100, 5.0, 50, 25)
+    assert (whole.tokens, whole.seconds, whole.drafted, whole.lookup_drafted, whole.lookup_accepted) == (
+        100, 5.0, 50, 25, 15)
     assert whole.contender == first.contender and first.tokens == 60  # the parts unchanged
     rows = [Row("keyserve", 1, 0.0, 0, 100, 10.0), Row("keyserve", 1, 0.0, 3, 100, 8.0, drafted=40, accepted=10,
                                                        target_forwards=70), whole]
@@ -101,5 +103,5 @@ def test_lookup_rows_and_slices_of_a_round_render_as_one_contender() -> None:
     text = render(rows, meta)
     assert "| 1 | 0 | 10.0 | 3 + lookup ≤ 3: 20.0 | 2.00× |" in text  # the fastest chain is the lookup's
     assert "| keyserve | 1 | 0 | 3 | 100 | 12.5 |" in text
-    assert "| keyserve | 1 | 0 | 3 + lookup ≤ 3 | 100 | 20.0 |" in text and "| 2.00× | – | 0.50 |" in text
+    assert "| keyserve | 1 | 0 | 3 + lookup ≤ 3 | 100 | 20.0 |" in text and "| 2.00× | – | 0.50 | 0.60 / 0.20 |" in text
     assert "each round in 2 slices of the prompts" in text

@@ -160,6 +160,10 @@ def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_
         assert ray.get(niceness) == [0] * len(actors)
         draft = engine.drafter_client.stats()
         assert draft["num_free_blocks"] == draft["num_blocks"] and draft["num_mirrors"] == 0
+        if lookup:  # the actor says which drafts were copies, as the in-process drafter does
+            copies = engine.speculative.lookup_stats
+            assert copies == local.engine.speculative.lookup_stats
+            assert 0 < copies.num_draft_tokens == local.engine.speculative.drafter.lookup_tokens
     _same(prompts, want, got)
     if target_budgets:
         assert any(o.stats.kv_tokens_evicted and o.stats.spec_draft_tokens for o in got)
@@ -183,6 +187,24 @@ def test_trees_on_the_plain_step_path_equal_in_process(stories_path: str, draft_
     _same(prompts, want, got)
     for a, b in zip(want, got):
         assert b.stats.spec_draft_tokens == a.stats.spec_draft_tokens
+
+
+def test_lookup_on_the_plain_step_path_equals_in_process(stories_path: str, draft_dir: str) -> None:
+    """Without the relayed graph the engine asks the draft actor itself
+    (``RemoteDrafter.propose``): prompt lookup's copies come back marked as such, so the
+    engine's lookup share equals the in-process engine's (adaptive K leaves copies out)."""
+    prompts = _prompts(8, seed=5)
+    params = [_params(i, num_speculative_tokens=1 + i % 4) for i in range(8)]
+    opts = dict(OPTIONS, draft=draft_dir, prompt_lookup_max=3, prompt_lookup_min=1)
+    local = LLM(stories_path, **opts)
+    want = local.generate(prompts, params)
+    with RayLLM(stories_path, worker_threads=1, compiled_graph=False, step_relay=False, **opts) as ray_llm:
+        assert not ray_llm.engine.relayed
+        got = ray_llm.generate(prompts, params)
+        copies = ray_llm.engine.speculative.lookup_stats
+    assert copies == local.engine.speculative.lookup_stats
+    assert 0 < copies.num_draft_tokens == local.engine.speculative.drafter.lookup_tokens
+    _same(prompts, want, got)
 
 
 def test_streams_through_the_async_front(stories_path: str) -> None:

@@ -104,6 +104,35 @@ def test_new_sequences_start_from_the_engines_acceptance() -> None:
     assert policy.lookaheads(seqs, MAX_LEN)[seqs[0].seq_id] == 1  # the one started at 0.7 too
 
 
+def test_copied_drafts_count_in_the_stats_but_not_in_adaptive_k() -> None:
+    """Prompt lookup's copies are accepted more often than the model's drafts and cost no
+    draft forward: a sequence whose model drafts fail while its copies are all accepted keeps
+    its K from the model's acceptance (here 0: a K = 1 step costs 1.6 plain ones), and so does
+    the engine's prior for new sequences; the engine and request totals count both, the lookup
+    part apart. Mutation caught: the ``if copied: ... return`` in ``record`` dropped (the
+    copies lift α from ~0.1 to ~0.5 and the sequence drafts again)."""
+    policy, seqs = _policy(k=2), _seqs(1)
+    seq = seqs[0]
+    for _ in range(2):
+        policy.lookaheads(seqs, MAX_LEN)
+        policy.observe_step(1, 0, 1.0)
+    for k in (1, 2, 1, 2):
+        policy.costs.record(1, k, 1.0 + 0.6 * k)
+    assert policy.lookaheads(seqs, MAX_LEN) == {seq.seq_id: 1}  # the default prior (0.7) pays
+    for i in range(60):  # alternate steps: a failed model draft, two accepted copies
+        if i % 2:
+            policy.record(seq.request_id, seq.seq_id, 2, 2, copied=True)
+        else:
+            policy.record(seq.request_id, seq.seq_id, 1, int(i % 20 == 0))
+    assert policy.prior_alpha() < 0.15
+    assert policy.lookaheads(seqs, MAX_LEN) == {}  # the model's 0.1 does not pay at 1 + 0.6 K
+    assert policy._adaptive[seq.seq_id].alpha < 0.15
+    lookup, total = policy.lookup_stats, policy.stats
+    assert (lookup.num_draft_tokens, lookup.num_accepted_tokens) == (60, 60)
+    assert (total.num_draft_tokens, total.num_accepted_tokens) == (90, 63)
+    assert policy.request_stats[seq.request_id] == total
+
+
 class _TreeDrafter:
     """What the policy reads of a drafter: whether it drafts trees (no model behind it)."""
 

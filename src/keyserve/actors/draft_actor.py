@@ -77,6 +77,7 @@ class DraftTokens:
     resync: bool = False  # the actor restarted: nothing proposed, send full tokens again
     failed: bool = False  # drafting raised: nothing proposed, the shadows were dropped
     parents: torch.Tensor | None = None  # [num_seqs, max_k + 1] int64 trees' parents, or None: chains
+    copied: torch.Tensor | None = None  # [num_seqs] bool: rows prompt lookup drafted, or None: none
 
 
 class DraftActor:
@@ -136,8 +137,8 @@ class DraftActor:
             proposal = self.worker.propose_tree(targets, [list(batch.trees[t.seq_id]) for t in targets])
         else:
             proposal = self.worker.propose(targets, [e.num_draft for e in batch.entries])
-        return (DraftTokens(proposal.token_ids, proposal.num_draft, self.incarnation, parents=proposal.parents),
-                proposal.probs)
+        return (DraftTokens(proposal.token_ids, proposal.num_draft, self.incarnation, parents=proposal.parents,
+                            copied=proposal.copied), proposal.probs)
 
     def graph_propose(
         self, step: StepInput | None, batch: DraftBatch,
@@ -176,8 +177,9 @@ class DraftActor:
             attach_drafts(trees, grown.token_ids, grown.num_draft, grown.parents)
         if proposal is None:
             return step, None, DraftTokens(grown.token_ids, grown.num_draft, self.incarnation, parents=grown.parents)
-        attach_drafts(chains, proposal.token_ids, proposal.num_draft)
-        return step, proposal.probs, DraftTokens(proposal.token_ids, proposal.num_draft, self.incarnation)
+        attach_drafts(chains, proposal.token_ids, proposal.num_draft, copied=proposal.copied)
+        return step, proposal.probs, DraftTokens(proposal.token_ids, proposal.num_draft, self.incarnation,
+                                                 copied=proposal.copied)
 
     def _nothing(self, resync: bool = False, failed: bool = False) -> DraftTokens:
         return DraftTokens(torch.zeros(0, 0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
@@ -289,7 +291,8 @@ class RemoteDrafter:
             if not tokens.resync:
                 for seq in targets:
                     self._seen[seq.seq_id] = seq.num_tokens
-                return Proposal(tokens.token_ids, probs, tokens.num_draft, tokens.parents)  # type: ignore[arg-type]
+                return Proposal(tokens.token_ids, probs, tokens.num_draft, tokens.parents,  # type: ignore[arg-type]
+                                tokens.copied)
             self.incarnation = tokens.incarnation
             self._seen.clear()
         k = max(num_draft, default=0)

@@ -60,6 +60,8 @@ class Proposal:
     # [num_seqs, max_k + 1] int64 tree parents (core/spec_tree.py; column 0 the root's, -1), or
     # None: chains
     parents: torch.Tensor | None = None
+    # [num_seqs] bool: the rows prompt lookup drafted (no draft-model forward); None: none did
+    copied: torch.Tensor | None = None
 
 
 @dataclass
@@ -433,7 +435,11 @@ class Drafter:
             dev = probs.device
             probs[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev),
                   tokens[rows, cols].to(dev)] = 1.0
-        return Proposal(tokens, probs, torch.tensor(proposed, dtype=torch.int64))
+        copied = None
+        if looked_up:
+            copied = torch.zeros(b, dtype=torch.bool)
+            copied[sorted(looked_up)] = True
+        return Proposal(tokens, probs, torch.tensor(proposed, dtype=torch.int64), copied=copied)
 
     def _look_up(self, targets: list[Sequence], num_draft: list[int], tokens: torch.Tensor,
                  proposed: list[int]) -> set[int]:
@@ -510,3 +516,7 @@ def _put(out: Proposal, rows: list[int], part: Proposal) -> None:
     if part.probs is not None and out.probs is not None:
         out.probs[index, :k] = part.probs.to(out.probs.device)
     out.num_draft[index] = part.num_draft
+    if part.copied is not None:
+        if out.copied is None:
+            out.copied = torch.zeros(out.num_draft.shape[0], dtype=torch.bool)
+        out.copied[index] = part.copied

@@ -426,7 +426,7 @@ class LLMEngine:
             for seq in targets:  # their mirrors may be half-updated: re-synced from scratch
                 self.drafter.release(seq)
             return None
-        attach_drafts(verify, proposal.token_ids, proposal.num_draft)
+        attach_drafts(verify, proposal.token_ids, proposal.num_draft, copied=proposal.copied)
         return proposal.probs
 
     def _accept(self, step: StepInput, out: StepOutput) -> list[RequestOutput]:
@@ -463,7 +463,7 @@ class LLMEngine:
                     accepted = out.num_accepted[item.seq_id]
                     if self.speculative is not None and item.draft_token_ids:
                         self.speculative.record(req.request_id, item.seq_id, len(item.draft_token_ids), accepted,
-                                                item.draft_parents)
+                                                item.draft_parents, copied=item.draft_copied)
                     self._emit(req, self._seqs[item.seq_id], out, now, kept)
                     # A stop cut the run: only the kept tokens' KV counts as computed (the
                     # request's kv_tokens_held), as if its steps had run one at a time.
@@ -735,6 +735,7 @@ class LLMEngine:
         over Ray (the KV core's counts come back with every step)."""
         core = self.core.stats()
         acceptance = self.speculative.stats if self.speculative is not None else None
+        lookup = self.speculative.lookup_stats if self.speculative is not None else None
         return EngineStats(
             core=core,
             num_requests_running=core.num_running_requests,
@@ -742,6 +743,8 @@ class LLMEngine:
             kv_tokens_evicted=self.finished_kv_evicted,
             spec_draft_tokens=acceptance.num_draft_tokens if acceptance else 0,
             spec_accepted_tokens=acceptance.num_accepted_tokens if acceptance else 0,
+            spec_lookup_draft_tokens=lookup.num_draft_tokens if lookup else 0,
+            spec_lookup_accepted_tokens=lookup.num_accepted_tokens if lookup else 0,
             prompt_tokens=self.finished_prompt_tokens,
             generation_tokens=self.finished_generated_tokens,
             num_steps=self.num_steps,

@@ -39,6 +39,8 @@ class EngineStats:
     kv_tokens_evicted: int = 0  # by KV budgets, over finished requests
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_lookup_draft_tokens: int = 0  # the part of the two above that prompt lookup drafted
+    spec_lookup_accepted_tokens: int = 0
     prompt_tokens: int = 0  # over finished requests
     generation_tokens: int = 0
     num_steps: int = 0

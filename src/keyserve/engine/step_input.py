@@ -61,6 +61,9 @@ class StepItem:
     # the item's last new token (0; draft j sits at offset j + 1, in preorder). Empty: the
     # drafts are a chain, each the child of the one before.
     draft_parents: list[int] = field(default_factory=list)
+    # The drafts were copied by prompt lookup (core/prompt_lookup.py), not drawn from the draft
+    # model: adaptive K learns the model's acceptance from the others only.
+    draft_copied: bool = False
 
     def __reduce__(self) -> tuple:
         """Pickled as the constructor's arguments: half the bytes and half the unpickling time
@@ -193,14 +196,18 @@ def attach_drafts(
     token_ids: torch.Tensor,  # [len(verify), max_draft] int64
     num_draft: torch.Tensor,  # [len(verify)] int64
     parents: torch.Tensor | None = None,  # [len(verify), max_draft + 1] int64 tree parents, or None: chains
+    copied: torch.Tensor | None = None,  # [len(verify)] bool: drafts from prompt lookup; None: none
 ) -> None:
     """Write a proposal into the items it was made for (row i -> ``verify[i]``): the engine
     and, on Ray, the draft actor of a compiled step fill their copies of the step alike. A
-    tree's parents (row 0 the root's, -1) become each item's ``draft_parents``."""
+    tree's parents (row 0 the root's, -1) become each item's ``draft_parents``; ``copied``
+    marks the items whose drafts prompt lookup made (``draft_copied``)."""
     counts = num_draft.tolist()
     rows = token_ids.tolist()
     trees = parents.tolist() if parents is not None else None
+    lookups = copied.tolist() if copied is not None else None
     for row, item in enumerate(verify):
         item.draft_token_ids = rows[row][: counts[row]]
         item.draft_row = row
         item.draft_parents = trees[row][1 : counts[row] + 1] if trees is not None else []
+        item.draft_copied = bool(lookups[row]) if lookups is not None else False
