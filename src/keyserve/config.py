@@ -133,9 +133,15 @@ class SchedulerSettings(_Strict):
     )
 
 
+LOOKUP_ONLY_DRAFTS = ("ngram", "[ngram]")  # ``draft`` values that mean prompt lookup alone
+NGRAM_DEFAULT_MAX = 4  # prompt_lookup_max of draft="ngram" when it is left at 0
+
+
 class SpeculativeConfig(_Strict):
     draft: str | None = Field(
-        None, description="Draft model for speculative sampling (local HF dir or keyserve draft dir)."
+        None, description="Draft model for speculative sampling (local HF dir or keyserve draft dir, "
+        "'default' for the default model's committed draft), or 'ngram': prompt lookup alone, no "
+        "draft model (vLLM's ngram method; n-grams prompt_lookup_min..prompt_lookup_max, max 4 if unset).",
     )
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Draft tokens per step (K).")
     adaptive_k: bool = Field(
@@ -184,11 +190,17 @@ class SpeculativeConfig(_Strict):
         2, ge=1, le=16, description="Prompt lookup: the shortest n-gram matched (see prompt_lookup_max)."
     )
 
+    @property
+    def lookup_only(self) -> bool:
+        """Speculation by prompt lookup alone (``draft="ngram"``): no draft model."""
+        return self.draft in LOOKUP_ONLY_DRAFTS
+
     @model_validator(mode="after")
     def _lookup_sizes(self) -> "SpeculativeConfig":
-        if self.prompt_lookup_max and self.prompt_lookup_min > self.prompt_lookup_max:
+        top = self.prompt_lookup_max or (NGRAM_DEFAULT_MAX if self.lookup_only else 0)
+        if top and self.prompt_lookup_min > top:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
-                             f"({self.prompt_lookup_max})")
+                             f"({top}{'' if self.prompt_lookup_max else ', the ngram default'})")
         return self
 
     @field_validator("speculative_tree")

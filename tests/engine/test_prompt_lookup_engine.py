@@ -65,7 +65,32 @@ def test_a_lookup_draft_is_verified_like_any_other(lookup: LLM) -> None:
     assert out.stats.spec_accepted_tokens > 0
 
 
-def test_sampled_with_top_k_top_p_equals_target_exactly(stories_path: str, draft_dir: str) -> None:
+def test_ngram_alone_greedy_equals_target_for_every_k(target: LLM, stories_path: str) -> None:
+    """``draft="ngram"``: no draft model; a sequence drafts only where its last n tokens
+    occurred before (stories260K loops, so most steps do after a few dozen tokens), and every
+    draft is a copy (the engine counts them all as lookup's). Greedy output equals the target
+    alone for every K."""
+    llm = LLM(stories_path, num_blocks=400, draft="ngram", num_speculative_tokens=4)
+    drafter = llm.engine.speculative.drafter
+    assert type(drafter).__name__ == "LookupDrafter" and drafter.index.sizes == (2, 4)  # the ngram default
+    prompts = _prompts(12)
+    lengths = [40 + (i * 7) % 30 for i in range(12)]
+    alone = target.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
+    for k in (1, 2, 4, 6):
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, num_speculative_tokens=k)
+                  for n in lengths]
+        outs = llm.generate(prompts, params)
+        for a, b in zip(alone, outs):
+            assert b.token_ids == a.token_ids, f"K={k}"
+        assert sum(o.stats.spec_accepted_tokens for o in outs) > 0
+    spec = llm.engine.speculative
+    assert spec.lookup_stats == spec.stats and spec.stats.num_draft_tokens == drafter.lookup_tokens > 0
+    assert spec.stats.mean_tokens_per_forward > 1.5
+    assert not drafter.index.indexes  # released with their sequences
+
+
+@pytest.mark.parametrize("ngram", [False, True], ids=["lookup-then-draft", "ngram"])
+def test_sampled_with_top_k_top_p_equals_target_exactly(stories_path: str, draft_dir: str, ngram: bool) -> None:
     """Temperature 0.7, top-p 0.9, top-k 50: the first two tokens of 20,480 samples against the
     target's exact joint q(t1)·q(t2 | t1). With n-grams down to one token, the first speculative
     step (which gives t2) drafts by lookup whenever t1 occurred in the prompt: a point-mass
@@ -73,12 +98,14 @@ def test_sampled_with_top_k_top_p_equals_target_exactly(stories_path: str, draft
 
     Power (as test_speculative_engine's): a 0.02 shift in any cell is ≥ 5.7 standard errors,
     each cell is tested at 4.4. Mutation it catches: the copied token's p left at 0 instead of
-    1 (every copy with q > 0 accepted): cell (t1, t2) = (286, 261) 29.7 standard errors off."""
+    1 (every copy with q > 0 accepted): cell (t1, t2) = (286, 261) 29.7 standard errors off.
+    With ``draft="ngram"`` (prompt lookup alone, ``LookupDrafter``) the steps that find no
+    match verify nothing; every draft is a copy."""
     # 3 tokens: the step after t1 drafts one (a step never drafts past max_tokens)
     params = SamplingParams(n=64, max_tokens=3, temperature=0.7, top_p=0.9, top_k=50, ignore_eos=True,
                             num_speculative_tokens=2)
-    llm = LLM(stories_path, num_blocks=1400, max_num_seqs=512, draft=draft_dir, num_speculative_tokens=2,
-              prompt_lookup_max=2, prompt_lookup_min=1)
+    llm = LLM(stories_path, num_blocks=1400, max_num_seqs=512, draft="ngram" if ngram else draft_dir,
+              num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=1)
     # t1 is 'was' half the time, which occurred before ('max was sad'): the copy 'sad' is the
     # target's t2 about one time in eight, so both acceptance and the residual draw are exercised
     prompt = llm.tokenizer.encode("the little dog was happy. one day the big dog named max was sad. the little cat")
@@ -89,6 +116,8 @@ def test_sampled_with_top_k_top_p_equals_target_exactly(stories_path: str, draft
     assert drafter.lookup_proposals > n // 4  # half the first speculative steps drafted by lookup
     stats = llm.engine.speculative.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if ngram:
+        assert llm.engine.speculative.lookup_stats == stats
     counts = Counter((o.token_ids[0], o.token_ids[1]) for out in outs for o in out.outputs)
     assert sum(counts.values()) == n
     exact = _exact_first_two(stories_path, prompt, params)

@@ -207,6 +207,27 @@ def test_lookup_on_the_plain_step_path_equals_in_process(stories_path: str, draf
     _same(prompts, want, got)
 
 
+def test_ngram_draft_actor_equals_in_process(stories_path: str) -> None:
+    """``draft="ngram"`` on Ray: the draft actor hosts the ``LookupDrafter`` (no weights, no
+    KV pool) on the default step path; same tokens, draft counts and lookup counts as in
+    process, every draft a copy."""
+    prompts = _prompts(8, seed=6)
+    params = [_params(i, num_speculative_tokens=1 + i % 4) for i in range(8)]
+    opts = dict(OPTIONS, draft="ngram", prompt_lookup_max=3, prompt_lookup_min=1)
+    local = LLM(stories_path, **opts)
+    want = local.generate(prompts, params)
+    with RayLLM(stories_path, worker_threads=1, **opts) as ray_llm:
+        got = ray_llm.generate(prompts, params)
+        spec = ray_llm.engine.speculative
+        assert not spec.tree_capable and ray_llm.engine.drafter_client.weight_bytes == 0
+        assert ray_llm.engine.drafter_client.stats() == {"num_blocks": 0, "num_free_blocks": 0, "num_mirrors": 0}
+    assert spec.lookup_stats == spec.stats == local.engine.speculative.stats
+    assert spec.stats.num_accepted_tokens > 0
+    _same(prompts, want, got)
+    for a, b in zip(want, got):
+        assert b.stats.spec_draft_tokens == a.stats.spec_draft_tokens
+
+
 def test_streams_through_the_async_front(stories_path: str) -> None:
     """The serving layer's AsyncLLMEngine drives a RayEngine: tokens arrive as steps accept them."""
     pytest.importorskip("keyserve.engine.async_engine")

@@ -89,3 +89,46 @@ def test_engine_options_name_the_sizes() -> None:
     assert draft_lookup(SpeculativeConfig()) is None  # off by default
     with pytest.raises(ValidationError, match="prompt_lookup_min"):
         SpeculativeConfig(prompt_lookup_max=2, prompt_lookup_min=3)
+
+
+def test_ngram_means_lookup_alone_with_default_sizes() -> None:
+    """``draft="ngram"`` (or vLLM's older "[ngram]"): prompt lookup alone, n-grams 2..4 unless
+    told; a min above that default is refused at the edge, naming the default."""
+    from pydantic import ValidationError
+
+    from keyserve.config import SpeculativeConfig
+    from keyserve.engine.drafter import draft_lookup
+
+    assert SpeculativeConfig(draft="ngram").lookup_only and SpeculativeConfig(draft="[ngram]").lookup_only
+    assert not SpeculativeConfig(draft="default").lookup_only
+    assert draft_lookup(SpeculativeConfig(draft="ngram")) == (2, 4)
+    assert draft_lookup(SpeculativeConfig(draft="ngram", prompt_lookup_max=6, prompt_lookup_min=3)) == (3, 6)
+    with pytest.raises(ValidationError, match="the ngram default"):
+        SpeculativeConfig(draft="ngram", prompt_lookup_min=5)
+
+
+def test_lookup_drafter_proposes_copies_as_point_masses() -> None:
+    """``LookupDrafter`` alone: a sequence with an earlier occurrence of its last tokens gets
+    the tokens that followed (marked copied), one without gets none; p = 1 at each copy when
+    the step samples, no p at all when it is greedy."""
+    import torch
+
+    from keyserve.core.sampling_params import SamplingParams
+    from keyserve.core.sequence import Sequence
+    from keyserve.engine.lookup_drafter import LookupDrafter
+
+    drafter = LookupDrafter(vocab_size=32, sizes=(2, 3))
+    looping = Sequence("a", [5, 6, 7, 8, 5, 6], SamplingParams(temperature=0.8))
+    fresh = Sequence("b", [1, 2, 3, 4], SamplingParams(temperature=0.0))
+    out = drafter.propose([looping, fresh], [3, 3])
+    assert out.num_draft.tolist() == [3, 0] and out.token_ids[0].tolist() == [7, 8, 5]
+    assert out.copied.tolist() == [True, False]
+    assert out.probs is not None and out.probs.shape == (2, 3, 32)
+    assert out.probs[0].argmax(-1).tolist() == [7, 8, 5] and out.probs[0].sum().item() == 3.0
+    assert out.probs[1].sum().item() == 0.0
+    greedy = drafter.propose([Sequence("c", [5, 6, 7, 5, 6], SamplingParams(temperature=0.0))], [2])
+    assert greedy.probs is None and greedy.token_ids.tolist() == [[7, 5]]
+    assert drafter.lookup_proposals == 2 and drafter.lookup_tokens == 5
+    drafter.release(looping)
+    assert looping.seq_id not in drafter.index.indexes and fresh.seq_id in drafter.index.indexes
+    assert isinstance(out.num_draft, torch.Tensor)

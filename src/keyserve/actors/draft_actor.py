@@ -23,7 +23,7 @@ from keyserve.actors.common import ACTOR_LOST, actor_runtime_env, alive, kill_ac
 from keyserve.actors.compute_thread import ComputeThread
 from keyserve.actors.relay import Relay
 from keyserve.actors.step_channel import ChannelClient, ChannelClosed, ChannelEndpoint, encode, gather
-from keyserve.config import ParallelConfig
+from keyserve.config import LOOKUP_ONLY_DRAFTS, ParallelConfig
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import Sequence
 from keyserve.engine import build
@@ -214,8 +214,8 @@ class DraftActor:
 
     def stats(self) -> dict[str, int]:
         with self.endpoint.lock:
-            bm = self.worker.block_manager
-            return {"num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
+            bm = getattr(self.worker, "block_manager", None)  # none with draft="ngram"
+            return {"num_blocks": bm.num_blocks if bm else 0, "num_free_blocks": bm.num_free_blocks if bm else 0,
                     "num_mirrors": len(self.worker.mirrors)}
 
 
@@ -277,7 +277,8 @@ class RemoteDrafter:
     def supports_trees(self) -> bool:
         """Trees of drafts (``Drafter.supports_trees``) on one target shard: only the driver
         rank verifies, and only it could move an accepted path's KV."""
-        return self.parallel.tensor_parallel_size == 1 and self.args.budget.policy == "full"
+        return (self.parallel.tensor_parallel_size == 1 and self.args.budget.policy == "full"
+                and self.args.draft not in LOOKUP_ONLY_DRAFTS)
 
     def propose(self, targets: list[Sequence], num_draft: list[int],
                 trees: dict[int, list[int]] | None = None) -> Proposal:

@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
-from keyserve.config import CacheConfig, EngineConfig, SpeculativeConfig
+from keyserve.config import LOOKUP_ONLY_DRAFTS, CacheConfig, EngineConfig, SpeculativeConfig
 from keyserve.config import ModelConfig as ModelOptions
 from keyserve.core.block_manager import BlockManager
 from keyserve.core.scheduler import SchedulerConfig
 from keyserve.engine.cuda_graphs import DecodeGraphs
 from keyserve.engine.drafter import DraftBudget, Drafter, draft_budget, draft_lookup
+from keyserve.engine.lookup_drafter import LookupDrafter
 from keyserve.engine.kv_budget import BudgetDefaults
 from keyserve.engine.kv_core import KVCore
 from keyserve.engine.malloc_tuning import tune_malloc
@@ -228,13 +229,18 @@ def build_drafter(
     graph_rows: int = 0,
     max_model_len: int | None = None,
     lookup: tuple[int, int] | None = None,
-) -> tuple[Drafter, int]:
+) -> tuple[Drafter | LookupDrafter, int]:
     """The draft model with its own KV pool (as many token slots as the target's) and block
     manager; returns the drafter and the draft's weight bytes. ``graph_rows``/``max_model_len``:
     CUDA graphs of its decode steps, as ``build_runner``'s (its K forwards are decode steps);
-    ``lookup``: prompt lookup's n-gram sizes (``drafter.draft_lookup``), None for off."""
-    loaded = load_draft(draft, target, dtype=dtype, device=device)
+    ``lookup``: prompt lookup's n-gram sizes (``drafter.draft_lookup``), None for off.
+    ``draft="ngram"``: the ``LookupDrafter`` (prompt lookup alone, no weights)."""
     vocab = target.config.vocab_size
+    if draft in LOOKUP_ONLY_DRAFTS:
+        if lookup is None:
+            raise ValueError("draft='ngram' needs prompt lookup's n-gram sizes")
+        return LookupDrafter(vocab, lookup, device), 0
+    loaded = load_draft(draft, target, dtype=dtype, device=device)
     if loaded.config.vocab_size != vocab:
         raise ValueError(f"draft vocabulary ({loaded.config.vocab_size}) differs from the target's ({vocab})")
     runner = build_runner(loaded.model, num_blocks, block_size, dtype, device, graph_rows=graph_rows,

@@ -32,36 +32,23 @@ from dataclasses import dataclass
 
 import torch
 
-from keyserve.config import SpeculativeConfig
+from keyserve.config import NGRAM_DEFAULT_MAX, SpeculativeConfig
 from keyserve.core.block_manager import BlockManager
 from keyserve.core.generator_marks import GeneratorMarks
 from keyserve.core.kv_policy import KVBudget
-from keyserve.core.prompt_lookup import PromptLookup
 from keyserve.core.sampler import SamplingTensors, inverse_cdf, make_generator, processed_probs, row_argmax, row_uniforms
 from keyserve.core.sequence import Sequence
 from keyserve.engine.kv_budget.resolve import resolve_budget
 from keyserve.engine.draft_chain import greedy_tokens, next_decode_inputs, top_tokens, tree_level_inputs
 from keyserve.core.spec_tree import node_depths, tree_masks
 from keyserve.engine.model_runner import ModelInputs, ModelRunner
+from keyserve.engine.lookup_drafter import LookupIndexes, copied_rows, point_masses
+from keyserve.engine.proposal import Proposal
 from keyserve.engine.step_input import CompactOp, SeqInfo, SettleOp, StepInput, StepItem
 
 log = logging.getLogger(__name__)
 
 CATCH_UP_DECODE_ROWS = 8  # a mirror's new tokens up to this many run as decode rows
-
-
-@dataclass
-class Proposal:
-    token_ids: torch.Tensor  # [num_seqs, max_k] int64 (0 past num_draft)
-    # [num_seqs, max_k, vocab] float32 draft distributions p, on the draft's device; None when
-    # every sequence is greedy (verification then compares argmaxes and never reads p)
-    probs: torch.Tensor | None
-    num_draft: torch.Tensor  # [num_seqs] int64: drafts actually proposed per sequence
-    # [num_seqs, max_k + 1] int64 tree parents (core/spec_tree.py; column 0 the root's, -1), or
-    # None: chains
-    parents: torch.Tensor | None = None
-    # [num_seqs] bool: the rows prompt lookup drafted (no draft-model forward); None: none did
-    copied: torch.Tensor | None = None
 
 
 @dataclass
@@ -82,8 +69,10 @@ def draft_budget(config: SpeculativeConfig) -> DraftBudget:
 
 
 def draft_lookup(config: SpeculativeConfig) -> tuple[int, int] | None:
-    """Prompt lookup's n-gram sizes (min, max), or None when it is off."""
-    return (config.prompt_lookup_min, config.prompt_lookup_max) if config.prompt_lookup_max else None
+    """Prompt lookup's n-gram sizes (min, max), or None when it is off (``draft="ngram"``
+    looks up n-grams up to NGRAM_DEFAULT_MAX unless told otherwise)."""
+    top = config.prompt_lookup_max or (NGRAM_DEFAULT_MAX if config.lookup_only else 0)
+    return (config.prompt_lookup_min, top) if top else None
 
 
 class Drafter:
@@ -108,13 +97,31 @@ class Drafter:
         self.undraftable: set[int] = set()  # target seq_ids whose drafting raised: never drafted
         # Prompt lookup (core/prompt_lookup.py): n-gram sizes, each target sequence's index, and
         # how many chain proposals (sequence-steps) and tokens it made instead of the model.
-        self.lookup = lookup
-        self.lookups: dict[int, PromptLookup] = {}
-        self.lookup_proposals = 0
-        self.lookup_tokens = 0
+        self.lookup_index = LookupIndexes(lookup)
         # Greedy unbudgeted forwards skip the runner's execute (``draft_chain.py``); False runs
         # every forward through it (the reference the chained path is tested against).
         self.chained = True
+
+    @property
+    def lookup(self) -> tuple[int, int] | None:
+        """Prompt lookup's n-gram sizes (min, max), None: off (settable: the bench toggles it)."""
+        return self.lookup_index.sizes
+
+    @lookup.setter
+    def lookup(self, sizes: tuple[int, int] | None) -> None:
+        self.lookup_index.sizes = sizes
+
+    @property
+    def lookups(self) -> dict:
+        return self.lookup_index.indexes
+
+    @property
+    def lookup_proposals(self) -> int:
+        return self.lookup_index.proposals
+
+    @property
+    def lookup_tokens(self) -> int:
+        return self.lookup_index.tokens
 
     # --------------------------------------------------------------- mirrors
     def _sync(self, target: Sequence) -> Sequence:
@@ -196,7 +203,7 @@ class Drafter:
 
     def release(self, target: Sequence) -> None:
         self.undraftable.discard(target.seq_id)
-        self.lookups.pop(target.seq_id, None)
+        self.lookup_index.drop(target.seq_id)
         mirror = self.mirrors.pop(target.seq_id, None)
         self.generators.pop(target.seq_id, None)
         self.generator_marks.drop(target.seq_id)
@@ -218,7 +225,7 @@ class Drafter:
         self.mirror_budgets.clear()
         self.settled.clear()
         self.undraftable.clear()
-        self.lookups.clear()
+        self.lookup_index.clear()
 
     def _step_input(self, batch: list[tuple[Sequence, Sequence, int]], num_decode: int, step: int) -> StepInput:
         """The forward's input over ``batch`` ((mirror, target, new tokens), decodes first):
@@ -383,7 +390,7 @@ class Drafter:
         mirrors = [self._sync(t) for t in targets]
         for t in targets:
             self.generator_marks.before_draws(t.seq_id, self.generators[t.seq_id], len(t.output_token_ids))
-        looked_up = self._look_up(targets, num_draft, tokens, proposed)
+        looked_up = self.lookup_index.fill(targets, num_draft, tokens, proposed)
         active = [i for i in range(b) if num_draft[i] > 0 and i not in looked_up]
         chain: _Chain | None = None  # the last greedy forward, while the next can follow on from it
         for step in range(k_max):
@@ -428,43 +435,9 @@ class Drafter:
                 m.output_token_ids.append(token)
             active = [i for i in batch if proposed[i] < num_draft[i]]
         if looked_up and not st_all.all_greedy:  # a copied token is a point mass: p = 1 there
-            if probs is None:
-                probs = torch.zeros(b, k_max, self.vocab_size, dtype=torch.float32, device=self.runner.device)
-            rows = [i for i in looked_up for _ in range(proposed[i])]
-            cols = [j for i in looked_up for j in range(proposed[i])]
-            dev = probs.device
-            probs[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev),
-                  tokens[rows, cols].to(dev)] = 1.0
-        copied = None
-        if looked_up:
-            copied = torch.zeros(b, dtype=torch.bool)
-            copied[sorted(looked_up)] = True
-        return Proposal(tokens, probs, torch.tensor(proposed, dtype=torch.int64), copied=copied)
-
-    def _look_up(self, targets: list[Sequence], num_draft: list[int], tokens: torch.Tensor,
-                 proposed: list[int]) -> set[int]:
-        """Prompt lookup for every sequence that wants drafts: where its last n tokens occurred
-        before, the tokens that followed them go into ``tokens`` [b, k_max] and ``proposed``
-        instead of the draft model's (no forward for that sequence this step; its mirror
-        catches up at its next model proposal). Returns the rows it filled."""
-        if self.lookup is None:
-            return set()
-        filled = set()
-        for i, target in enumerate(targets):
-            if num_draft[i] <= 0:
-                continue
-            index = self.lookups.get(target.seq_id)
-            if index is None:
-                index = self.lookups[target.seq_id] = PromptLookup(*self.lookup)
-            index.sync(target.prompt_token_ids, target.output_token_ids)
-            found = index.propose(num_draft[i])
-            if found:
-                tokens[i, : len(found)] = torch.tensor(found, dtype=torch.int64)
-                proposed[i] = len(found)
-                filled.add(i)
-                self.lookup_proposals += 1
-                self.lookup_tokens += len(found)
-        return filled
+            probs = point_masses(probs, looked_up, tokens, proposed, self.vocab_size, self.runner.device)
+        return Proposal(tokens, probs, torch.tensor(proposed, dtype=torch.int64),
+                        copied=copied_rows(b, looked_up))
 
     def _greedy_forward(
         self, mirrors: list[Sequence], targets: list[Sequence], rows: list[tuple[int, int]],
