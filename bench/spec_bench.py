@@ -15,7 +15,9 @@ adaptive K (per sequence the tree or plain decoding), in process and, with ``--r
 Ray engine's draft actor. With ``--lookups N`` every in-process chain row (fixed and adaptive K)
 runs a second time with prompt lookup first (``prompt_lookup_max`` N, ``--lookup-min``: drafts
 copied from earlier in the sequence where its last n tokens occurred before, the draft model
-elsewhere), on the same engine.
+elsewhere), on the same engine. With ``--ngram N`` every such row runs again speculating by
+prompt lookup alone (``draft="ngram"``: no draft model; the "keyserve ngram" rows), the engine's
+speculative policy swapped for an ngram one for those runs (``lookup_alone``).
 
 So that a reader can trust it: every configuration runs the same ``--num-prompts`` prompts
 (16 distinct by default) x ``--max-tokens`` (128); every contender gets an untimed warm-up of
@@ -144,7 +146,7 @@ class Row:
 
 # ------------------------------------------------------------------------ keyserve
 def keyserve_run(llm, batch: int, temperature: float, k: int, prompts: list[str], max_tokens: int,
-                 adaptive: bool = False, tree: str = "", lookup: int = 0) -> Row:
+                 adaptive: bool = False, tree: str = "", lookup: int = 0, engine: str = "") -> Row:
     from keyserve import SamplingParams
 
     def params(i: int) -> SamplingParams:
@@ -155,7 +157,7 @@ def keyserve_run(llm, batch: int, temperature: float, k: int, prompts: list[str]
     if not ray:
         llm.engine.block_manager.reset_prefix_cache()
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-    row = Row("ray" if ray else "keyserve", batch, temperature, k, 0, 0.0, adaptive=adaptive, tree=tree,
+    row = Row(engine or ("ray" if ray else "keyserve"), batch, temperature, k, 0, 0.0, adaptive=adaptive, tree=tree,
               lookup=lookup)
     drafter = getattr(llm.engine.speculative, "drafter", None)
     looked_before = getattr(drafter, "lookup_tokens", 0)
@@ -201,6 +203,34 @@ def adaptive_k(llm, on: bool):  # noqa: ANN001, ANN201
         yield
     finally:
         policy.config = before
+
+
+_NGRAM_POLICIES: dict[tuple[int, int, int], object] = {}
+
+
+@contextlib.contextmanager
+def lookup_alone(llm, max_n: int, min_n: int):  # noqa: ANN001, ANN201
+    """The engine speculating by prompt lookup alone (``draft="ngram"``, ``LookupDrafter``) for
+    one run: its speculative policy and drafter swapped for an ngram one, kept across runs (its
+    step-cost model and acceptance learn over the warm-up and every round, as a server's
+    would). Same engine, same target, as every other keyserve row."""
+    from keyserve.engine.lookup_drafter import LookupDrafter
+    from keyserve.engine.speculative import SpeculativeDecoder
+
+    engine = llm.engine
+    before = engine.speculative, engine.drafter
+    key = (id(llm), min_n, max_n)
+    policy = _NGRAM_POLICIES.get(key)
+    if policy is None:
+        config = before[0].config.model_copy(update={"draft": "ngram", "prompt_lookup_max": max_n,
+                                                     "prompt_lookup_min": min_n})
+        drafter = LookupDrafter(engine.vocab_size, (min_n, max_n))
+        policy = _NGRAM_POLICIES[key] = SpeculativeDecoder(drafter, config, cost_ratio=0.0)
+    engine.speculative, engine.drafter = policy, policy.drafter
+    try:
+        yield
+    finally:
+        engine.speculative, engine.drafter = before
 
 
 @contextlib.contextmanager
@@ -525,6 +555,8 @@ class Measured:
         r = self.first
         if r.tree:
             return ("adaptive " if r.adaptive else "") + "tree " + r.tree
+        if r.engine == "ngram":  # prompt lookup alone
+            return ("adaptive ≤ " if r.adaptive else "") + f"{r.k}, lookup ≤ {r.lookup} alone"
         lookup = f" + lookup ≤ {r.lookup}" if r.lookup else ""
         return ("adaptive ≤ " + str(r.k) if r.adaptive else str(r.k or "off")) + lookup
 
@@ -564,7 +596,7 @@ def render(rows: list[Row], meta: dict) -> str:
     ray_rows = [m for m in agg.values() if m.first.engine == "ray"]
     ray_base = {(m.first.batch, m.first.temperature): m.median for m in ray_rows if m.first.plain}
     table = []
-    engines = ("keyserve", "ray", "transformers")
+    engines = ("keyserve", "ngram", "ray", "transformers")
     order = lambda m: (m.first.batch, m.first.temperature, engines.index(m.first.engine), m.first.adaptive,  # noqa: E731
                        m.first.k, m.first.tree)
     for m in sorted(agg.values(), key=order):
@@ -572,7 +604,8 @@ def render(rows: list[Row], meta: dict) -> str:
         b = (ray_base if r.engine == "ray" else base).get((r.batch, r.temperature))
         hf = theirs.get((r.temperature, r.k)) if r.batch == 1 and r.k and not r.adaptive and not r.tree else None
         table.append([
-            r.engine + (" adaptive" if r.adaptive else ""), r.batch, r.temperature, m.label, m.tokens,
+            ("keyserve ngram" if r.engine == "ngram" else r.engine) + (" adaptive" if r.adaptive else ""),
+            r.batch, r.temperature, m.label, m.tokens,
             f"{m.median:.1f}", m.spread,
             f"{m.acceptance:.2f}" if m.acceptance is not None else "–",
             f"{m.tokens_per_forward:.2f}" if m.tokens_per_forward else "–",
@@ -699,6 +732,9 @@ def plot(rows: list[Row], path: Path) -> None:
 
     agg = [m for m in aggregate(rows).values() if not m.first.adaptive]  # medians over rounds
     base = {(m.first.engine, m.first.batch, m.first.temperature): m.median for m in agg if m.first.plain}
+    for m in agg:  # prompt lookup alone runs on keyserve's engine: its plain decoding is the base
+        if m.first.engine == "ngram" and ("keyserve", m.first.batch, m.first.temperature) in base:
+            base[("ngram", m.first.batch, m.first.temperature)] = base[("keyserve", m.first.batch, m.first.temperature)]
     lookups = sorted({m.first.lookup for m in agg})
     from keyserve.core.spec_tree import TreeShape
 
@@ -750,6 +786,9 @@ def main() -> None:
                     help="also every in-process chain row (fixed and adaptive K) with prompt lookup first, "
                          "n-grams up to each of these (prompt_lookup_max)")
     ap.add_argument("--lookup-min", type=int, default=2, help="prompt lookup's shortest n-gram (prompt_lookup_min)")
+    ap.add_argument("--ngram", type=int, nargs="*", default=[],
+                    help="also every in-process chain row (fixed and adaptive K) speculating by prompt lookup "
+                         "alone, no draft model (draft='ngram'), n-grams up to each of these")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers rows")
     ap.add_argument("--ray", action="store_true",
@@ -870,6 +909,9 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
     configs = [(*c, 0) for c in configs]
     configs += [(*c[:6], n) for n in args.lookups for c in list(configs)
                 if c[0] == "keyserve" and c[4] and not c[5] and not c[6]]
+    # Prompt lookup alone (draft="ngram"): each in-process chain row with the lookup as the drafter
+    configs += [("ngram", *c[1:6], n) for n in args.ngram for c in list(configs)
+                if c[0] == "keyserve" and c[4] and not c[5] and not c[6]]
     # Interleave engines so slow drift of the machine's load hits every contender alike.
     configs.sort(key=lambda c: (c[3], c[4], c[5], c[6], c[2], c[0], c[1]))
 
@@ -886,6 +928,9 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
             if engine == "keyserve":
                 with adaptive_k(llm, adaptive), tree_shape(llm, tree), prompt_lookup(llm, lookup, args.lookup_min):
                     return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive, tree, lookup)
+            if engine == "ngram":
+                with lookup_alone(llm, lookup, args.lookup_min), adaptive_k(llm, adaptive):
+                    return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive, "", lookup, "ngram")
             if engine == "ray":
                 ray_llm = rays["draft" if k or tree else "plain"]
                 try:

@@ -89,6 +89,24 @@ def test_ngram_alone_greedy_equals_target_for_every_k(target: LLM, stories_path:
     assert not drafter.index.indexes  # released with their sequences
 
 
+def test_a_sequence_with_draft_slots_and_no_drafts_stays_a_decode_row(target: LLM) -> None:
+    """Prompt lookup finds no match: the sequence reserved K draft slots and verifies nothing.
+    Its one new token must run as a decode row (the native decode stack on the CPU), not as a
+    one-token prefill chunk, which sent the whole step down the prefill path (measured:
+    draft="ngram" at 0.79x plain decoding where it drafted little). Mutation caught: the
+    ``num_lookahead`` case dropped from ``ModelRunner.prepare``'s ``as_rows``."""
+    from keyserve.engine.step_input import StepInput, StepItem
+
+    engine = target.engine
+    rid = engine.add_request("once upon a time", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()
+    seq = engine.requests[rid].seqs[0]
+    item = StepItem(seq.seq_id, [seq.token_ids[-1]], seq.num_tokens - 1, list(seq.block_table), num_lookahead=3)
+    inputs = engine.runner.prepare(StepInput([item], 0))  # placed after the decode items, as the core does
+    assert inputs.meta.num_decode_seqs == 1 and inputs.meta.prefill_query_start_loc.tolist() == [0]
+    engine.abort(rid)
+
+
 @pytest.mark.parametrize("ngram", [False, True], ids=["lookup-then-draft", "ngram"])
 def test_sampled_with_top_k_top_p_equals_target_exactly(stories_path: str, draft_dir: str, ngram: bool) -> None:
     """Temperature 0.7, top-p 0.9, top-k 50: the first two tokens of 20,480 samples against the

@@ -163,8 +163,12 @@ class ModelRunner:
         block, dev = self.block_size, self.device
         n_dec = step.num_decode
         rest = step.items[n_dec:]
-        # Verifying targets and short continuations: one decode row per query token.
-        as_rows = [bool(it.draft_token_ids or (it.decode_rows and it.budget is None)) for it in rest]
+        # Verifying targets and short continuations: one decode row per query token. So is a
+        # sequence that reserved draft slots but got no drafts this step (prompt lookup found
+        # no match): as a one-token prefill chunk it sent the whole step down the prefill path,
+        # ~2x a decode step at batch 1 (draft="ngram": 0.79x plain decoding).
+        as_rows = [bool(it.draft_token_ids or (it.budget is None and (
+            it.decode_rows or (it.num_lookahead and it.num_new_tokens == 1)))) for it in rest]
         verify = [it for it, r in zip(rest, as_rows) if r]
         chunks = [it for it, r in zip(rest, as_rows) if not r]
         dec = AttentionRows()  # one query token each
