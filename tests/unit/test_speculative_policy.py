@@ -133,6 +133,26 @@ def test_copied_drafts_count_in_the_stats_but_not_in_adaptive_k() -> None:
     assert policy.request_stats[seq.request_id] == total
 
 
+def test_with_ngram_alone_the_copies_are_what_adaptive_k_learns_from() -> None:
+    """``draft="ngram"``: every draft is a copy, so adaptive K must learn from them (else α
+    sits at the prior forever and K never drops to 0 where copies do not pay). Copies accepted
+    1 time in 10 at a K-step cost of 1 + 0.6 K: K = 0. Mutation caught: the ``lookup_only``
+    exception in ``record`` dropped (the sequence keeps drafting at the prior's 0.7)."""
+    cfg = SpeculativeConfig(draft="ngram", num_speculative_tokens=2, adaptive_k=True)
+    policy, seqs = SpeculativeDecoder(None, cfg, cost_ratio=0.0), _seqs(1)
+    seq = seqs[0]
+    for _ in range(2):
+        policy.lookaheads(seqs, MAX_LEN)
+        policy.observe_step(1, 0, 1.0)
+    for k in (1, 2, 1, 2):
+        policy.costs.record(1, k, 1.0 + 0.6 * k)
+    assert policy.lookaheads(seqs, MAX_LEN) == {seq.seq_id: 1}
+    for i in range(40):
+        policy.record(seq.request_id, seq.seq_id, 1, int(i % 10 == 0), copied=True)
+    assert policy.lookaheads(seqs, MAX_LEN) == {}
+    assert policy.lookup_stats == policy.stats
+
+
 class _TreeDrafter:
     """What the policy reads of a drafter: whether it drafts trees (no model behind it)."""
 

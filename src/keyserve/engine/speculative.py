@@ -221,13 +221,15 @@ class SpeculativeDecoder:
         time where the model's drafts are ~45 % (greedy chat answers), and copies come in runs
         (repeated passages), so counting them sent sequences to K > 0 at batch 8, where the
         model's own drafts do not pay (adaptive K with lookup: 0.92x plain in one round).
-        Copies ride on the K the model's acceptance earns."""
+        Copies ride on the K the model's acceptance earns. With ``draft="ngram"`` (prompt
+        lookup alone) every draft is a copy, and adaptive K learns from them."""
         self.stats.update([num_draft], [num_accepted])
         self._step_accepted += num_accepted
         self.request_stats.setdefault(request_id, AcceptanceStats()).update([num_draft], [num_accepted])
         if copied:
             self.lookup_stats.update([num_draft], [num_accepted])
-            return
+            if not self.config.lookup_only:  # with draft="ngram" copies are all there is
+                return
         if parents:
             self.adapt(seq_id, max(node_depths(parents)), num_accepted, tree=True)
         else:
