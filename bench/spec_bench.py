@@ -91,7 +91,8 @@ SECTION_TITLES = {"speculative_ray": "Speculative sampling on the Ray engine: th
                   "decoding (issue 19)",
                   "speculative_tree": "Speculative sampling: trees of drafts against chains (issue 19)",
                   "speculative_guard": "Speculative sampling: adaptive K with the outcome guard (issue 19)",
-                  "speculative_lookup": "Speculative sampling: prompt lookup before the draft model (issue 19)"}
+                  "speculative_lookup": "Speculative sampling: prompt lookup before the draft model (issue 19)",
+                  "speculative_ngram": "Speculative sampling without a draft model: prompt lookup alone (issue 19)"}
 RAY_TARGETS = {0.0: 1.5}  # issue 19: the Ray engine with the draft actor, batch 1, over its own plain decoding
 
 
