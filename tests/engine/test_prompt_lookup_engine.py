@@ -85,6 +85,10 @@ def test_ngram_alone_greedy_equals_target_for_every_k(target: LLM, stories_path:
         assert sum(o.stats.spec_accepted_tokens for o in outs) > 0
     spec = llm.engine.speculative
     assert spec.lookup_stats == spec.stats and spec.stats.num_draft_tokens == drafter.lookup_tokens > 0
+    # the steps without a match are counted (adaptive K weighs them: record_misses); every
+    # speculating step either verified copies or missed
+    steps = sum(o.stats.generated_tokens for o in outs)
+    assert 0 < spec.num_misses and spec.num_misses + drafter.lookup_proposals >= steps // 6
     assert spec.stats.mean_tokens_per_forward > 1.5
     assert not drafter.index.indexes  # released with their sequences
 

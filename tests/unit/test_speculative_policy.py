@@ -153,6 +153,33 @@ def test_with_ngram_alone_the_copies_are_what_adaptive_k_learns_from() -> None:
     assert policy.lookup_stats == policy.stats
 
 
+def test_with_ngram_alone_a_step_without_a_match_counts_as_a_rejection() -> None:
+    """``draft="ngram"``: a sequence that asked for drafts and found no match got one token
+    for its reserved K, so adaptive K counts the miss as a first draft rejected. A match one
+    step in four, every copy accepted, at a K-step cost of 1 + 0.6 K: K = 0 (α ≈ 0.25; from the
+    copies alone α = 1 and it kept drafting). With a draft model a miss is not counted.
+    Mutation caught: ``record_misses`` returning at once (the sequence drafts on)."""
+    cfg = SpeculativeConfig(draft="ngram", num_speculative_tokens=2, adaptive_k=True)
+    policy, seqs = SpeculativeDecoder(None, cfg, cost_ratio=0.0), _seqs(1)
+    seq = seqs[0]
+    for _ in range(2):
+        policy.lookaheads(seqs, MAX_LEN)
+        policy.observe_step(1, 0, 1.0)
+    for k in (1, 2, 1, 2):
+        policy.costs.record(1, k, 1.0 + 0.6 * k)
+    assert policy.lookaheads(seqs, MAX_LEN) == {seq.seq_id: 1}
+    for i in range(40):
+        if i % 4 == 0:
+            policy.record(seq.request_id, seq.seq_id, 1, 1, copied=True)
+        else:
+            policy.record_misses([seq.seq_id], [1])
+    assert policy.lookaheads(seqs, MAX_LEN) == {}
+    assert policy.stats.num_draft_tokens == 10  # misses verify nothing: not in the stats
+    model = _policy(k=2)
+    model.record_misses([seq.seq_id], [2])
+    assert model._engine_alpha.tested == 0.0
+
+
 class _TreeDrafter:
     """What the policy reads of a drafter: whether it drafts trees (no model behind it)."""
 

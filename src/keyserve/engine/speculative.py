@@ -60,6 +60,7 @@ class SpeculativeDecoder:
         # more often than the model's drafts and cost no draft forward, so adaptive K's
         # estimates leave them out (see ``record``).
         self.lookup_stats = AcceptanceStats()
+        self.num_misses = 0  # sequence-steps that reserved draft slots and got no drafts (``record_misses``)
         self.request_stats: dict[str, AcceptanceStats] = {}
         self._adaptive: dict[int, AdaptiveK] = {}
         self.costs = StepCostModel(cost_ratio)  # measured step costs (adaptive K)
@@ -234,6 +235,22 @@ class SpeculativeDecoder:
             self.adapt(seq_id, max(node_depths(parents)), num_accepted, tree=True)
         else:
             self.adapt(seq_id, num_draft, num_accepted)
+
+    def record_misses(self, seq_ids: Iterable[int], asked: Iterable[int]) -> None:
+        """Sequences that reserved ``asked`` draft slots and got no drafts this step. With
+        ``draft="ngram"`` that is prompt lookup finding no match, and what the reserved K
+        bought was one token: adaptive K counts it as a first draft rejected. Its acceptance
+        then covers every step it asks for drafts, not only the steps a copy exists, and so
+        does the tokens-per-step estimate it chooses K by: from copies alone (accepted ~0.6
+        of the time) ngram sequences kept drafting at batch 8, 0.89x plain decoding, where a
+        match came one step in a few. With a draft model, a miss (its pool full) is rare and
+        says nothing about the drafts: not counted (``num_misses`` counts them all)."""
+        seq_ids, asked = list(seq_ids), list(asked)
+        self.num_misses += len(seq_ids)
+        if not self.config.lookup_only:
+            return
+        for seq_id, k in zip(seq_ids, asked):
+            self.adapt(seq_id, k, 0)
 
     def prior_alpha(self, tree: bool = False) -> float:
         """Every sequence's prior acceptance (re-read each step): this engine's recent
