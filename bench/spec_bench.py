@@ -240,18 +240,19 @@ def prompt_lookup(llm, max_n: int, min_n: int):  # noqa: ANN001, ANN201
     run, the draft model alone otherwise: one engine for every keyserve row, as for
     ``adaptive_k``."""
     drafter = getattr(llm.engine.speculative, "drafter", None)
-    if drafter is None or not hasattr(drafter, "lookups"):  # no draft, or the Ray engine's actor
+    index = getattr(drafter, "lookup_index", None)
+    if index is None:  # no draft, or the Ray engine's actor
         assert not max_n
         yield
         return
-    before = drafter.lookup
-    drafter.lookup = (min_n, max_n) if max_n else None
-    drafter.lookups.clear()
+    before = index.sizes
+    index.sizes = (min_n, max_n) if max_n else None
+    index.clear()
     try:
         yield
     finally:
-        drafter.lookup = before
-        drafter.lookups.clear()
+        index.sizes = before
+        index.clear()
 
 
 @contextlib.contextmanager

@@ -51,7 +51,7 @@ def test_greedy_equals_target_for_every_k(target: LLM, lookup: LLM) -> None:
     engine = lookup.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert drafter.block_manager.num_free_blocks == drafter.block_manager.num_blocks
-    assert not drafter.mirrors and not drafter.lookups
+    assert not drafter.mirrors and not drafter.lookup_index.indexes
 
 
 def test_a_lookup_draft_is_verified_like_any_other(lookup: LLM) -> None:
@@ -72,7 +72,7 @@ def test_ngram_alone_greedy_equals_target_for_every_k(target: LLM, stories_path:
     alone for every K."""
     llm = LLM(stories_path, num_blocks=400, draft="ngram", num_speculative_tokens=4)
     drafter = llm.engine.speculative.drafter
-    assert type(drafter).__name__ == "LookupDrafter" and drafter.index.sizes == (2, 4)  # the ngram default
+    assert type(drafter).__name__ == "LookupDrafter" and drafter.lookup_index.sizes == (2, 4)  # the ngram default
     prompts = _prompts(12)
     lengths = [40 + (i * 7) % 30 for i in range(12)]
     alone = target.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
@@ -90,7 +90,7 @@ def test_ngram_alone_greedy_equals_target_for_every_k(target: LLM, stories_path:
     steps = sum(o.stats.generated_tokens for o in outs)
     assert 0 < spec.num_misses and spec.num_misses + drafter.lookup_proposals >= steps // 6
     assert spec.stats.mean_tokens_per_forward > 1.5
-    assert not drafter.index.indexes  # released with their sequences
+    assert not drafter.lookup_index.indexes  # released with their sequences
 
 
 def test_a_sequence_with_draft_slots_and_no_drafts_stays_a_decode_row(target: LLM) -> None:

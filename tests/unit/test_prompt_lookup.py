@@ -130,5 +130,5 @@ def test_lookup_drafter_proposes_copies_as_point_masses() -> None:
     assert greedy.probs is None and greedy.token_ids.tolist() == [[7, 5]]
     assert drafter.lookup_proposals == 2 and drafter.lookup_tokens == 5
     drafter.release(looping)
-    assert looping.seq_id not in drafter.index.indexes and fresh.seq_id in drafter.index.indexes
+    assert looping.seq_id not in drafter.lookup_index.indexes and fresh.seq_id in drafter.lookup_index.indexes
     assert isinstance(out.num_draft, torch.Tensor)

@@ -104,6 +104,16 @@ def test_new_sequences_start_from_the_engines_acceptance() -> None:
     assert policy.lookaheads(seqs, MAX_LEN)[seqs[0].seq_id] == 1  # the one started at 0.7 too
 
 
+def _costly_drafts(policy: SpeculativeDecoder, seqs: list[Sequence]) -> None:
+    """Plain baseline steps, then measured K-step costs of 1 + 0.6 K at batch 1 (K = 1 pays only
+    above α ≈ 0.6)."""
+    for _ in range(2):
+        policy.lookaheads(seqs, MAX_LEN)
+        policy.observe_step(1, 0, 1.0)
+    for k in (1, 2, 1, 2):
+        policy.costs.record(1, k, 1.0 + 0.6 * k)
+
+
 def test_copied_drafts_count_in_the_stats_but_not_in_adaptive_k() -> None:
     """Prompt lookup's copies are accepted more often than the model's drafts and cost no
     draft forward: a sequence whose model drafts fail while its copies are all accepted keeps
@@ -113,11 +123,7 @@ def test_copied_drafts_count_in_the_stats_but_not_in_adaptive_k() -> None:
     copies lift α from ~0.1 to ~0.5 and the sequence drafts again)."""
     policy, seqs = _policy(k=2), _seqs(1)
     seq = seqs[0]
-    for _ in range(2):
-        policy.lookaheads(seqs, MAX_LEN)
-        policy.observe_step(1, 0, 1.0)
-    for k in (1, 2, 1, 2):
-        policy.costs.record(1, k, 1.0 + 0.6 * k)
+    _costly_drafts(policy, seqs)
     assert policy.lookaheads(seqs, MAX_LEN) == {seq.seq_id: 1}  # the default prior (0.7) pays
     for i in range(60):  # alternate steps: a failed model draft, two accepted copies
         if i % 2:
@@ -141,11 +147,7 @@ def test_with_ngram_alone_the_copies_are_what_adaptive_k_learns_from() -> None:
     cfg = SpeculativeConfig(draft="ngram", num_speculative_tokens=2, adaptive_k=True)
     policy, seqs = SpeculativeDecoder(None, cfg, cost_ratio=0.0), _seqs(1)
     seq = seqs[0]
-    for _ in range(2):
-        policy.lookaheads(seqs, MAX_LEN)
-        policy.observe_step(1, 0, 1.0)
-    for k in (1, 2, 1, 2):
-        policy.costs.record(1, k, 1.0 + 0.6 * k)
+    _costly_drafts(policy, seqs)
     assert policy.lookaheads(seqs, MAX_LEN) == {seq.seq_id: 1}
     for i in range(40):
         policy.record(seq.request_id, seq.seq_id, 1, int(i % 10 == 0), copied=True)
@@ -162,11 +164,7 @@ def test_with_ngram_alone_a_step_without_a_match_counts_as_a_rejection() -> None
     cfg = SpeculativeConfig(draft="ngram", num_speculative_tokens=2, adaptive_k=True)
     policy, seqs = SpeculativeDecoder(None, cfg, cost_ratio=0.0), _seqs(1)
     seq = seqs[0]
-    for _ in range(2):
-        policy.lookaheads(seqs, MAX_LEN)
-        policy.observe_step(1, 0, 1.0)
-    for k in (1, 2, 1, 2):
-        policy.costs.record(1, k, 1.0 + 0.6 * k)
+    _costly_drafts(policy, seqs)
     assert policy.lookaheads(seqs, MAX_LEN) == {seq.seq_id: 1}
     for i in range(40):
         if i % 4 == 0:

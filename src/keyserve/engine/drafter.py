@@ -103,19 +103,6 @@ class Drafter:
         self.chained = True
 
     @property
-    def lookup(self) -> tuple[int, int] | None:
-        """Prompt lookup's n-gram sizes (min, max), None: off (settable: the bench toggles it)."""
-        return self.lookup_index.sizes
-
-    @lookup.setter
-    def lookup(self, sizes: tuple[int, int] | None) -> None:
-        self.lookup_index.sizes = sizes
-
-    @property
-    def lookups(self) -> dict:
-        return self.lookup_index.indexes
-
-    @property
     def lookup_proposals(self) -> int:
         return self.lookup_index.proposals
 

@@ -73,8 +73,9 @@ def point_masses(
     that samples needs p for every draft it verifies)."""
     if probs is None:
         probs = torch.zeros(tokens.shape[0], tokens.shape[1], vocab_size, dtype=torch.float32, device=device)
-    r = [i for i in sorted(rows) for _ in range(proposed[i])]
-    c = [j for i in sorted(rows) for j in range(proposed[i])]
+    ordered = sorted(rows)
+    r = [i for i in ordered for _ in range(proposed[i])]
+    c = [j for i in ordered for j in range(proposed[i])]
     dev = probs.device
     probs[torch.tensor(r, device=dev), torch.tensor(c, device=dev), tokens[r, c].to(dev)] = 1.0
     return probs
@@ -93,28 +94,27 @@ class LookupDrafter:
     """Drafts by prompt lookup alone (module doc): the ``Drafter`` interface with no model."""
 
     supports_trees = False  # a tree needs a model's ranking of alternatives
-    weight_bytes = 0
 
     def __init__(self, vocab_size: int, sizes: tuple[int, int], device: torch.device | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = device or torch.device("cpu")
-        self.index = LookupIndexes(sizes)
+        self.lookup_index = LookupIndexes(sizes)
         self.mirrors: dict[int, Sequence] = {}  # never any: nothing mirrors the target
 
     @property
     def lookup_proposals(self) -> int:
-        return self.index.proposals
+        return self.lookup_index.proposals
 
     @property
     def lookup_tokens(self) -> int:
-        return self.index.tokens
+        return self.lookup_index.tokens
 
     @torch.inference_mode()
     def propose(self, targets: list[Sequence], num_draft: list[int]) -> Proposal:
         b, k_max = len(targets), max(num_draft, default=0)
         tokens = torch.zeros(b, k_max, dtype=torch.int64)
         proposed = [0] * b
-        rows = self.index.fill(targets, num_draft, tokens, proposed)
+        rows = self.lookup_index.fill(targets, num_draft, tokens, proposed)
         probs = None
         if rows and not SamplingTensors.from_params([t.params for t in targets]).all_greedy:
             probs = point_masses(None, rows, tokens, proposed, self.vocab_size, self.device)
@@ -124,7 +124,7 @@ class LookupDrafter:
         raise NotImplementedError("prompt lookup drafts chains (supports_trees is False)")
 
     def release(self, target: Sequence) -> None:
-        self.index.drop(target.seq_id)
+        self.lookup_index.drop(target.seq_id)
 
     def release_all(self) -> None:
-        self.index.clear()
+        self.lookup_index.clear()

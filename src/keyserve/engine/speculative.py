@@ -236,7 +236,7 @@ class SpeculativeDecoder:
         else:
             self.adapt(seq_id, num_draft, num_accepted)
 
-    def record_misses(self, seq_ids: Iterable[int], asked: Iterable[int]) -> None:
+    def record_misses(self, seq_ids: list[int], asked: list[int]) -> None:
         """Sequences that reserved ``asked`` draft slots and got no drafts this step. With
         ``draft="ngram"`` that is prompt lookup finding no match, and what the reserved K
         bought was one token: adaptive K counts it as a first draft rejected. Its acceptance
@@ -245,7 +245,6 @@ class SpeculativeDecoder:
         of the time) ngram sequences kept drafting at batch 8, 0.89x plain decoding, where a
         match came one step in a few. With a draft model, a miss (its pool full) is rare and
         says nothing about the drafts: not counted (``num_misses`` counts them all)."""
-        seq_ids, asked = list(seq_ids), list(asked)
         self.num_misses += len(seq_ids)
         if not self.config.lookup_only:
             return
