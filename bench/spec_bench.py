@@ -92,7 +92,9 @@ SECTION_TITLES = {"speculative_ray": "Speculative sampling on the Ray engine: th
                   "speculative_tree": "Speculative sampling: trees of drafts against chains (issue 19)",
                   "speculative_guard": "Speculative sampling: adaptive K with the outcome guard (issue 19)",
                   "speculative_lookup": "Speculative sampling: prompt lookup before the draft model (issue 19)",
-                  "speculative_ngram": "Speculative sampling without a draft model: prompt lookup alone (issue 19)"}
+                  "speculative_ngram": "Speculative sampling without a draft model: prompt lookup alone (issue 19)",
+                  "speculative_lookup_aware": "Speculative sampling: lookup-aware adaptive K, copies chosen apart "
+                  "from the draft model (issue 19)"}
 RAY_TARGETS = {0.0: 1.5}  # issue 19: the Ray engine with the draft actor, batch 1, over its own plain decoding
 
 
@@ -239,20 +241,23 @@ def prompt_lookup(llm, max_n: int, min_n: int):  # noqa: ANN001, ANN201
     """The in-process drafter drafting by prompt lookup (n-grams min_n..max_n) first for one
     run, the draft model alone otherwise: one engine for every keyserve row, as for
     ``adaptive_k``."""
-    drafter = getattr(llm.engine.speculative, "drafter", None)
-    index = getattr(drafter, "lookup_index", None)
+    policy = llm.engine.speculative
+    index = getattr(getattr(policy, "drafter", None), "lookup_index", None)
     if index is None:  # no draft, or the Ray engine's actor
         assert not max_n
         yield
         return
-    before = index.sizes
-    index.sizes = (min_n, max_n) if max_n else None
-    index.clear()
+    indexes = (index, policy.matches)  # the drafter's, and adaptive K's (lookup-aware K)
+    before = [i.sizes for i in indexes]
+    for i in indexes:
+        i.sizes = (min_n, max_n) if max_n else None
+        i.clear()
     try:
         yield
     finally:
-        index.sizes = before
-        index.clear()
+        for i, sizes in zip(indexes, before):
+            i.sizes = sizes
+            i.clear()
 
 
 @contextlib.contextmanager

@@ -93,6 +93,30 @@ def test_ngram_alone_greedy_equals_target_for_every_k(target: LLM, stories_path:
     assert not drafter.lookup_index.indexes  # released with their sequences
 
 
+@pytest.mark.parametrize("ngram", [True, False], ids=["ngram", "lookup-then-draft"])
+def test_lookup_aware_adaptive_k_greedy_equals_target(target: LLM, stories_path: str, draft_dir: str,
+                                                      ngram: bool) -> None:
+    """Adaptive K with prompt lookup: the engine looks each sequence up before choosing its K
+    (copies from the copy arm, else the draft model's). Greedy output equals the target alone;
+    copies are drafted and verified; with ``draft="ngram"`` no sequence reserves slots the
+    lookup cannot fill (the engine's lookup and the drafter's agree: no misses); the engine's
+    indexes and copy estimates go with their sequences. Mutation caught: the ``lookup_only``
+    early return dropped from ``_adaptive_k`` (sequences without a match reserve K: misses)."""
+    llm = LLM(stories_path, num_blocks=400, draft="ngram" if ngram else draft_dir, num_speculative_tokens=4,
+              adaptive_k=True, prompt_lookup_max=3, prompt_lookup_min=1)
+    prompts = _prompts(12)
+    lengths = [40 + (i * 7) % 30 for i in range(12)]
+    alone = target.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
+    for a, b in zip(alone, outs):
+        assert b.token_ids == a.token_ids
+    spec = llm.engine.speculative
+    assert spec.lookup_stats.num_accepted_tokens > 0
+    if ngram:
+        assert spec.num_misses == 0 and spec.lookup_stats == spec.stats
+    assert not spec.matches.indexes and not spec._adaptive_copy and not spec._adaptive
+
+
 def test_a_sequence_with_draft_slots_and_no_drafts_stays_a_decode_row(target: LLM) -> None:
     """Prompt lookup finds no match: the sequence reserved K draft slots and verifies nothing.
     Its one new token must run as a decode row (the native decode stack on the CPU), not as a

@@ -228,6 +228,23 @@ def test_ngram_draft_actor_equals_in_process(stories_path: str) -> None:
         assert b.stats.spec_draft_tokens == a.stats.spec_draft_tokens
 
 
+def test_lookup_aware_adaptive_k_through_the_draft_actor(stories_path: str) -> None:
+    """Adaptive K with ``draft="ngram"`` on Ray: the engine looks each sequence up before
+    choosing K, and the draft actor's lookup, over the tokens relayed to it, finds the same
+    matches: no sequence reserves slots it gets no copies for (no misses). Greedy tokens equal
+    the engine's in process (K depends on measured step times, so the draws of sampled rows
+    would not line up)."""
+    prompts = _prompts(8, seed=6)
+    params = [SamplingParams(max_tokens=24 + i % 9, temperature=0.0, ignore_eos=True) for i in range(8)]
+    opts = dict(OPTIONS, draft="ngram", prompt_lookup_max=3, prompt_lookup_min=1, adaptive_k=True)
+    want = LLM(stories_path, **opts).generate(prompts, params)
+    with RayLLM(stories_path, worker_threads=1, **opts) as ray_llm:
+        got = ray_llm.generate(prompts, params)
+        spec = ray_llm.engine.speculative
+    assert spec.stats.num_accepted_tokens > 0 and spec.num_misses == 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
 def test_streams_through_the_async_front(stories_path: str) -> None:
     """The serving layer's AsyncLLMEngine drives a RayEngine: tokens arrive as steps accept them."""
     pytest.importorskip("keyserve.engine.async_engine")

@@ -139,44 +139,110 @@ def test_copied_drafts_count_in_the_stats_but_not_in_adaptive_k() -> None:
     assert policy.request_stats[seq.request_id] == total
 
 
+def _looping_seq(seq_id: int) -> Sequence:
+    """A decoding sequence whose last n tokens (2 to 4) occurred before: prompt lookup offers
+    four copies (the tokens after the earlier [4, 1, 2, 3])."""
+    seq = Sequence(f"loop{seq_id}", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=1000, temperature=0.0))
+    seq.output_token_ids.append(3)
+    seq.seq_id = seq_id
+    return seq
+
+
 def test_with_ngram_alone_the_copies_are_what_adaptive_k_learns_from() -> None:
     """``draft="ngram"``: every draft is a copy, so adaptive K must learn from them (else α
     sits at the prior forever and K never drops to 0 where copies do not pay). Copies accepted
-    1 time in 10 at a K-step cost of 1 + 0.6 K: K = 0. Mutation caught: the ``lookup_only``
-    exception in ``record`` dropped (the sequence keeps drafting at the prior's 0.7)."""
+    1 time in 10 at a K-step cost of 1 + 0.6 K: K = 0. Mutation caught: ``copy=copied``
+    dropped from ``record``'s ``adapt`` (the copy arm keeps the prior's 0.7 and drafts on)."""
     cfg = SpeculativeConfig(draft="ngram", num_speculative_tokens=2, adaptive_k=True)
-    policy, seqs = SpeculativeDecoder(None, cfg, cost_ratio=0.0), _seqs(1)
-    seq = seqs[0]
-    _costly_drafts(policy, seqs)
-    assert policy.lookaheads(seqs, MAX_LEN) == {seq.seq_id: 1}
+    policy, seq = SpeculativeDecoder(None, cfg, cost_ratio=0.0), _looping_seq(7)
+    _costly_drafts(policy, [seq])
+    assert policy.lookaheads([seq], MAX_LEN) == {seq.seq_id: 1}
     for i in range(40):
         policy.record(seq.request_id, seq.seq_id, 1, int(i % 10 == 0), copied=True)
-    assert policy.lookaheads(seqs, MAX_LEN) == {}
+    assert policy.lookaheads([seq], MAX_LEN) == {}
     assert policy.lookup_stats == policy.stats
 
 
-def test_with_ngram_alone_a_step_without_a_match_counts_as_a_rejection() -> None:
-    """``draft="ngram"``: a sequence that asked for drafts and found no match got one token
-    for its reserved K, so adaptive K counts the miss as a first draft rejected. A match one
-    step in four, every copy accepted, at a K-step cost of 1 + 0.6 K: K = 0 (α ≈ 0.25; from the
-    copies alone α = 1 and it kept drafting). With a draft model a miss is not counted.
-    Mutation caught: ``record_misses`` returning at once (the sequence drafts on)."""
-    cfg = SpeculativeConfig(draft="ngram", num_speculative_tokens=2, adaptive_k=True)
-    policy, seqs = SpeculativeDecoder(None, cfg, cost_ratio=0.0), _seqs(1)
-    seq = seqs[0]
-    _costly_drafts(policy, seqs)
-    assert policy.lookaheads(seqs, MAX_LEN) == {seq.seq_id: 1}
-    for i in range(40):
-        if i % 4 == 0:
-            policy.record(seq.request_id, seq.seq_id, 1, 1, copied=True)
-        else:
-            policy.record_misses([seq.seq_id], [1])
-    assert policy.lookaheads(seqs, MAX_LEN) == {}
-    assert policy.stats.num_draft_tokens == 10  # misses verify nothing: not in the stats
-    model = _policy(k=2)
-    model.record_misses([seq.seq_id], [2])
-    assert model._engine_alpha.tested == 0.0
+def test_lookup_aware_k_with_ngram_asks_only_where_a_match_exists() -> None:
+    """``draft="ngram"``, adaptive K: the engine looks the sequence up before choosing K, so a
+    sequence without a match asks for no draft slots (nothing to propose: it decodes plainly
+    and no miss is counted), and one with a match drafts from the copies' acceptance, never
+    more than the copies on offer. Mutations caught: the ``lookup_only`` early return dropped
+    from ``_adaptive_k`` (the sequence without a match reserves K again); the ``min(k,
+    copies)`` cap dropped (K = 6 where 4 copies exist)."""
+    cfg = SpeculativeConfig(draft="ngram", num_speculative_tokens=6, adaptive_k=True)
+    policy = SpeculativeDecoder(None, cfg, cost_ratio=0.0)
+    looping, plain = _looping_seq(7), _seqs(1)[0]
+    for _ in range(2):  # the plain baseline, then copies that cost nothing extra
+        policy.lookaheads([looping, plain], MAX_LEN)
+        policy.observe_step(2, 0, 1.0)
+    for k in (1, 2, 3, 4):
+        policy.costs.record(2, k, 1.0)
+    assert policy.lookaheads([looping, plain], MAX_LEN) == {looping.seq_id: 4}
+    assert policy.num_misses == 0 and set(policy.matches.indexes) == {looping.seq_id, plain.seq_id}
+    policy.release(looping)
+    assert set(policy.matches.indexes) == {plain.seq_id}
 
+
+def test_lookup_aware_k_chooses_copies_apart_from_the_draft_model() -> None:
+    """A draft model with prompt lookup first, adaptive K: the model's drafts fail (α ~0.1 at a
+    K-step cost of 1 + 0.6 K: K = 0), copies are all accepted and their steps cost 1 + 0.1 K
+    (no draft forward). Where lookup has a match the sequence drafts from the copy arm (K =
+    3); where it has none, from the model's (K = 0); a step whose drafts were all copies is
+    the copies' cost, not the model's. Mutations caught: ``matches.peek`` ignored (every
+    sequence on the model's arm: K = 0 at the match); ``copy=copied`` dropped from ``record``
+    (copies lift the model's α: the sequence without a match drafts); ``observe_step`` putting
+    copy steps in ``costs`` (a K = 3 model step would read at 1.3x)."""
+    cfg = SpeculativeConfig(num_speculative_tokens=3, adaptive_k=True, prompt_lookup_max=4)
+    policy = SpeculativeDecoder(None, cfg, cost_ratio=0.05)
+    looping, plain = _looping_seq(7), _seqs(1)[0]
+    _costly_drafts(policy, [plain])
+    for k in (1, 2, 3, 1, 2, 3):
+        policy.observe_step(1, k, 1.0 + 0.1 * k, drafting=1, copies=1)
+    assert policy.copy_costs.relative_cost(3, 1) == pytest.approx(1.3)
+    assert policy.costs.relative_cost(3, 1) == pytest.approx(2.8)
+    for i in range(60):
+        policy.record(plain.request_id, plain.seq_id, 1, int(i % 10 == 0))
+        policy.record(looping.request_id, looping.seq_id, 3, 3, copied=True)
+    assert policy.lookaheads([plain], MAX_LEN) == {}
+    assert policy.lookaheads([looping], MAX_LEN) == {looping.seq_id: 3}
+    assert policy.prior_alpha() < 0.15 and policy.prior_alpha(copy=True) > 0.95
+
+
+def test_a_model_step_after_copies_is_a_catch_up() -> None:
+    """A copy step runs no draft forward, so the draft model's next drafting step for that
+    sequence catches up on the copied tokens: its cost stays out of the cost model (the copy
+    step's own cost is steady and counts, as the copies'). Mutation caught: the copy branch of
+    ``_adaptive_k`` leaving ``_last_k`` alone (the catch-up read as K = 1's cost)."""
+    cfg = SpeculativeConfig(num_speculative_tokens=3, adaptive_k=True, prompt_lookup_max=4)
+    policy, seq = SpeculativeDecoder(None, cfg, cost_ratio=0.05), _seqs(1)[0]  # [1, 2, 3, 5]: no match
+    _costly_drafts(policy, [seq])
+    for k in (1, 2, 3, 1, 2, 3):
+        policy.observe_step(1, k, 1.0 + 0.1 * k, drafting=1, copies=1)
+    for _ in range(2):  # the model drafts (its first step a catch-up), then steadily
+        assert policy.lookaheads([seq], MAX_LEN) == {seq.seq_id: 1}
+        policy.observe_step(1, 1, 1.6, drafting=1)
+    seq.output_token_ids += [1, 2]  # [1, 2] occurred before: copies
+    assert policy.lookaheads([seq], MAX_LEN) == {seq.seq_id: 3}
+    before = policy.copy_costs.estimates(1)[3]
+    policy.observe_step(1, 3, 1.6, drafting=1, copies=1)
+    assert policy.copy_costs.estimates(1)[3] > before  # a copy step's cost counts
+    seq.output_token_ids.append(99)  # no match any more: the draft model drafts, catching up
+    before_model = policy.costs.estimates(1)
+    assert policy.lookaheads([seq], MAX_LEN) == {seq.seq_id: 1}
+    policy.observe_step(1, 1, 50.0, drafting=1)
+    assert policy.costs.estimates(1) == before_model
+
+
+def test_misses_are_counted_and_change_no_estimate() -> None:
+    """A sequence that reserved draft slots and got none (fixed K with ngram: no match; a
+    draft model: its pool full) is counted, and no acceptance estimate moves (adaptive K
+    asks for copies only where a match exists)."""
+    policy, seq = _policy(k=2), _seqs(1)[0]
+    policy.record_misses(3)
+    assert policy.num_misses == 3
+    assert policy._engine_alpha.tested == policy._engine_copy_alpha.tested == 0.0
+    assert policy.stats.num_draft_tokens == 0 and seq.seq_id not in policy._adaptive
 
 class _TreeDrafter:
     """What the policy reads of a drafter: whether it drafts trees (no model behind it)."""

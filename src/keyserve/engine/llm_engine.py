@@ -344,7 +344,8 @@ class LLMEngine:
         seqs = [self._seqs[it.seq_id] for it in items if it.seq_id in self._seqs]
         drafts = [len(it.draft_token_ids) for it in items]
         self.speculative.observe_step(len(items), max(drafts), seconds, step_samples(seqs),
-                                      sum(1 for n in drafts if n), sum(1 for it in items if it.draft_parents))
+                                      sum(1 for n in drafts if n), sum(1 for it in items if it.draft_parents),
+                                      sum(1 for it in items if it.draft_copied))
 
     def _flush_store_if_idle(self) -> None:
         """With no request left nobody waits for a token: store what was copied out now
@@ -455,7 +456,7 @@ class LLMEngine:
         if self.speculative is not None and not step.multi_step:  # asked for drafts, got none
             missed = [it for it in items if it.num_lookahead and not it.draft_token_ids]
             if missed:
-                self.speculative.record_misses([it.seq_id for it in missed], [it.num_lookahead for it in missed])
+                self.speculative.record_misses(len(missed))
         for item in items:
             # a verified draft run, or a multi-step round (core/multi_step.py) committed alike
             verifies = bool(item.draft_token_ids) or item.seq_id in out.num_accepted

@@ -41,11 +41,7 @@ class LookupIndexes:
         for i, target in enumerate(targets):
             if num_draft[i] <= 0:
                 continue
-            index = self.indexes.get(target.seq_id)
-            if index is None:
-                index = self.indexes[target.seq_id] = PromptLookup(*self.sizes)
-            index.sync(target.prompt_token_ids, target.output_token_ids)
-            found = index.propose(num_draft[i])
+            found = self._synced(target).propose(num_draft[i])
             if found:
                 tokens[i, : len(found)] = torch.tensor(found, dtype=torch.int64)
                 proposed[i] = len(found)
@@ -53,6 +49,24 @@ class LookupIndexes:
                 self.proposals += 1
                 self.tokens += len(found)
         return filled
+
+    def peek(self, target: Sequence, k: int) -> int:
+        """How many tokens a lookup would copy for ``target`` now (at most ``k``; 0: no
+        match), counting nothing: the engine asks before choosing K (lookup-aware K,
+        ``engine/speculative.py``), and the drafter's own lookup over the same tokens then
+        finds the same match."""
+        if self.sizes is None or k <= 0:
+            return 0
+        return len(self._synced(target).propose(k))
+
+    def _synced(self, target: Sequence) -> PromptLookup:
+        """The sequence's index, caught up with its tokens (made on first use)."""
+        assert self.sizes is not None
+        index = self.indexes.get(target.seq_id)
+        if index is None:
+            index = self.indexes[target.seq_id] = PromptLookup(*self.sizes)
+        index.sync(target.prompt_token_ids, target.output_token_ids)
+        return index
 
     def drop(self, seq_id: int) -> None:
         self.indexes.pop(seq_id, None)

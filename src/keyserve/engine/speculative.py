@@ -19,7 +19,10 @@ than plain ones there. With a tree
 decoding plainly: the tree's tokens per step are modelled as a chain's of its depth with the
 per-level continuation the sequence measures (exact for a one-level tree: 1 + P(a child is the
 target's token)), and its cost is what the engine measures for tree steps, kept apart from
-chains' (``tree_costs``). There is one per engine, in the engine's process: it sends the KV core how many drafts each
+chains' (``tree_costs``). With prompt lookup, adaptive K is lookup-aware: the engine looks a
+sequence up before choosing (``matches``), and where a copy exists K comes from copies' own
+acceptance and step cost (``copy_costs``), elsewhere from the draft model's (``draft="ngram"``:
+no drafts). There is one per engine, in the engine's process: it sends the KV core how many drafts each
 sequence wants (``lookaheads``, with ``KVCore.schedule``), so the core (in the engine's process
 or in the KV-block manager actor) holds no speculative policy of its own.
 """
@@ -37,7 +40,8 @@ from keyserve.core.spec_decode import AcceptanceStats
 from keyserve.core.spec_guard import SpeculationGuard
 from keyserve.core.spec_tree import TreeShape, node_depths
 from keyserve.core.step_cost import StepCostModel
-from keyserve.engine.drafter import Drafter
+from keyserve.engine.drafter import Drafter, draft_lookup
+from keyserve.engine.lookup_drafter import LookupIndexes
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +68,7 @@ class SpeculativeDecoder:
         self.request_stats: dict[str, AcceptanceStats] = {}
         self._adaptive: dict[int, AdaptiveK] = {}
         self.costs = StepCostModel(cost_ratio)  # measured step costs (adaptive K)
-        self._last_k: dict[int, int] = {}  # seq_id -> drafts asked for last step (adaptive K)
+        self._last_k: dict[int, int] = {}  # seq_id -> the draft model's drafts last step (adaptive K; copies: 0)
         # Every verification in this engine, slowly decayed: a new sequence's prior for α. A
         # fixed optimistic prior (0.7) sent every request's first steps to K = 3 with a draft
         # accepted ~0.3 of the time, which cost more than the rest of a short answer gained
@@ -90,6 +94,20 @@ class SpeculativeDecoder:
         self.tree = TreeShape.parse(config.speculative_tree) if config.speculative_tree else None
         self.trees: dict[int, list[int]] = {}
         self.tree_capable = bool(getattr(drafter, "supports_trees", False))
+        # Lookup-aware K (adaptive K with prompt lookup): a copy is accepted more often than
+        # the model's draft (0.52 against 0.20 in the bench) and costs no draft forward, and
+        # whether one exists is known before proposing: the drafter's lookup over the same
+        # tokens finds the same match. So the engine looks first (``matches``) and a sequence
+        # with a match chooses K from copies' own acceptance and step cost (the copy arm),
+        # one without from the draft model's (with ``draft="ngram"``: K = 0, nothing to
+        # propose, no slots reserved). One K per sequence still reaches the KV core and the
+        # drafter, so neither changes.
+        self.matches = LookupIndexes(draft_lookup(config))
+        self._adaptive_copy: dict[int, AdaptiveK] = {}
+        self._engine_copy_alpha = AdaptiveK(k_min=0, k_max=0, decay=0.995, prior_weight=0.0)
+        # Steps whose drafts were all copies (no draft forward) cost less than the model's: their
+        # own model, sharing plain steps as baseline; with ngram every draft is a copy.
+        self.copy_costs = self.costs if config.lookup_only else StepCostModel(0.0)
 
     def enabled_for(self, seq: Sequence) -> bool:
         want = seq.params.speculative
@@ -97,12 +115,13 @@ class SpeculativeDecoder:
 
     def lookahead(
         self, seq: Sequence, max_model_len: int, batch: int = 1, sampled: bool = False,
-        prior: float | None = None,
+        priors: tuple[float, float] | None = None,
     ) -> int:
         """Draft tokens for this sequence's next decode step (0 = decode plainly); ``batch``:
         how many sequences decode with it, ``sampled``: whether any of them samples (adaptive K
-        weighs the step cost of that kind of step at that size); ``prior``: the step's
-        ``prior_alpha()``, read once for all its sequences (default: read now)."""
+        weighs the step cost of that kind of step at that size); ``priors``: the step's
+        ``prior_alpha()`` for the model's drafts and for copies, read once for all its
+        sequences (default: read now)."""
         if not self.enabled_for(seq):
             return 0
         tree = self._tree_for(seq, max_model_len)
@@ -113,23 +132,43 @@ class SpeculativeDecoder:
             return len(tree) - 1
         k = seq.params.num_speculative_tokens or self.config.num_speculative_tokens
         if self.config.adaptive_k:
-            adaptive = self._adaptive.get(seq.seq_id)
-            if adaptive is None:
-                adaptive = self._adaptive[seq.seq_id] = AdaptiveK(k_min=0, k_max=k, cost_ratio=self.cost_ratio)
-            # The prior is the engine's acceptance *now*, not when the sequence started: the
-            # first sequences of a cold engine started from the default 0.7 and, the prior
-            # keeping its weight, kept drafting at batch 8 (0.70x plain) after the engine had
-            # seen the draft accepted ~0.3 of the time.
-            adaptive.prior_alpha = self.prior_alpha() if prior is None else prior
-            k = adaptive.choose(lambda kk: self.costs.relative_cost(kk, batch, sampled))
-            if k and (adaptive.last_was_probe or not self._last_k.get(seq.seq_id)):
-                self._unsettled = True
-            self._last_k[seq.seq_id] = k
+            k = self._adaptive_k(seq, k, batch, sampled, priors)
         # A step emits up to K + 1 tokens: never draft past max_tokens or the context.
         room = min(
             seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens
         )
         return max(0, min(k, room - 1))
+
+    def _adaptive_k(self, seq: Sequence, k_max: int, batch: int, sampled: bool,
+                    priors: tuple[float, float] | None) -> int:
+        """Adaptive K for a chain: the copy arm where prompt lookup has a match now, else the
+        draft model's (``matches`` in ``__init__``); K never above the copies on offer."""
+        copies = self.matches.peek(seq, k_max)
+        if not copies and self.config.lookup_only:
+            self._last_k[seq.seq_id] = 0
+            return 0
+        copy = copies > 0
+        arms = self._adaptive_copy if copy else self._adaptive
+        adaptive = arms.get(seq.seq_id)
+        if adaptive is None:
+            adaptive = arms[seq.seq_id] = AdaptiveK(k_min=0, k_max=k_max, cost_ratio=self.cost_ratio)
+        # The prior is the engine's acceptance *now*, not when the sequence started: the
+        # first sequences of a cold engine started from the default 0.7 and, the prior
+        # keeping its weight, kept drafting at batch 8 (0.70x plain) after the engine had
+        # seen the draft accepted ~0.3 of the time.
+        adaptive.prior_alpha = self.prior_alpha(copy=copy) if priors is None else priors[copy]
+        costs = self.copy_costs if copy else self.costs
+        k = adaptive.choose(lambda kk: costs.relative_cost(kk, batch, sampled))
+        if copy:
+            # No forward: a steady cost whatever came before. The draft model (if any) skips
+            # this step, so its next drafting step is a catch-up (``_last_k`` 0).
+            self._last_k[seq.seq_id] = 0
+            return min(k, copies)
+        # The draft model catches up on what it skipped: not what a steady K costs.
+        if k and (adaptive.last_was_probe or not self._last_k.get(seq.seq_id)):
+            self._unsettled = True
+        self._last_k[seq.seq_id] = k
+        return k
 
     def _tree_pays(self, seq: Sequence, batch: int, sampled: bool) -> bool:
         """Adaptive K with a tree: whether this sequence verifies the tree next step (else it
@@ -175,15 +214,16 @@ class SpeculativeDecoder:
         if self.config.adaptive_k and seqs and (
                 self.costs.wants_plain(len(seqs), sampled)
                 or (self.tree is not None and self.tree_costs.wants_plain(len(seqs), sampled))
+                or (self.matches.sizes is not None and self.copy_costs.wants_plain(len(seqs), sampled))
                 or self.guard.blocks(len(seqs), sampled)):
             for seq in seqs:
                 self._last_k[seq.seq_id] = 0
             return {}
         wanted: dict[int, int] = {}
-        prior = self.prior_alpha() if self.config.adaptive_k else None
+        priors = (self.prior_alpha(), self.prior_alpha(copy=True)) if self.config.adaptive_k else None
         for seq in seqs:
             try:
-                k = self.lookahead(seq, max_model_len, len(seqs), sampled, prior)
+                k = self.lookahead(seq, max_model_len, len(seqs), sampled, priors)
             except Exception:  # noqa: BLE001 — its speculative settings: it decodes plainly
                 log.warning("no speculation for sequence %d", seq.seq_id, exc_info=True)
                 k = 0
@@ -192,13 +232,14 @@ class SpeculativeDecoder:
         return wanted
 
     def observe_step(self, batch: int, k: int, seconds: float, sampled: bool = False,
-                     drafting: int | None = None, trees: int = 0) -> None:
+                     drafting: int | None = None, trees: int = 0, copies: int = 0) -> None:
         """The engine's measured time of one decode step (no prompt chunk in it) of ``batch``
         sequences, ``drafting`` of them (default: all) drafting up to ``k`` each, ``trees`` of
-        them verifying a tree: the step cost models learn from it (a plain step is both
-        models' baseline, a step with trees is the trees'), unless a sequence's draft was
-        catching up or probing in it (not what a steady K costs). The guard takes every step,
-        catch-ups included: they are part of what speculating costs."""
+        them verifying a tree, ``copies`` of them verifying prompt lookup's copies: the step
+        cost models learn from it (a plain step is every model's baseline, a step with trees
+        is the trees', one whose drafts were all copies is the copies'), unless a sequence's
+        draft was catching up or probing in it (not what a steady K costs). The guard takes
+        every step, catch-ups included: they are part of what speculating costs."""
         if not self.config.adaptive_k:
             return
         accepted, self._step_accepted = self._step_accepted, 0  # none in a plain step
@@ -208,9 +249,13 @@ class SpeculativeDecoder:
         if trees and self.tree is not None:
             self.tree_costs.record(batch, self.tree.depth, seconds, sampled, trees)
             return
-        self.costs.record(batch, k, seconds, sampled, drafting)
+        drafted = batch if drafting is None else drafting
+        costs = self.copy_costs if k and copies >= drafted else self.costs
+        costs.record(batch, k, seconds, sampled, drafting)
         if not k and self.tree is not None:
             self.tree_costs.record(batch, 0, seconds, sampled)
+        if not k and self.copy_costs is not self.costs:
+            self.copy_costs.record(batch, 0, seconds, sampled)
 
     def record(self, request_id: str, seq_id: int, num_draft: int, num_accepted: int,
                parents: list[int] | None = None, copied: bool = False) -> None:
@@ -218,59 +263,57 @@ class SpeculativeDecoder:
         nodes), and adaptive K's acceptance estimate for the sequence; ``parents``: the tree's
         (core/spec_tree.py), None for a chain; ``copied``: prompt lookup drafted them.
 
-        Adaptive K learns the draft model's acceptance only: a copy is accepted ~70 % of the
-        time where the model's drafts are ~45 % (greedy chat answers), and copies come in runs
-        (repeated passages), so counting them sent sequences to K > 0 at batch 8, where the
-        model's own drafts do not pay (adaptive K with lookup: 0.92x plain in one round).
-        Copies ride on the K the model's acceptance earns. With ``draft="ngram"`` (prompt
-        lookup alone) every draft is a copy, and adaptive K learns from them."""
+        Copies and the model's drafts are estimated apart (the copy arm and the model's): a
+        copy is accepted ~70 % of the time where the model's drafts are ~45 % (greedy chat
+        answers), and copies come in runs (repeated passages), so counting them together sent
+        sequences to K > 0 at batch 8, where the model's own drafts do not pay (adaptive K
+        with lookup: 0.92x plain in one round)."""
         self.stats.update([num_draft], [num_accepted])
         self._step_accepted += num_accepted
         self.request_stats.setdefault(request_id, AcceptanceStats()).update([num_draft], [num_accepted])
         if copied:
             self.lookup_stats.update([num_draft], [num_accepted])
-            if not self.config.lookup_only:  # with draft="ngram" copies are all there is
-                return
         if parents:
             self.adapt(seq_id, max(node_depths(parents)), num_accepted, tree=True)
         else:
-            self.adapt(seq_id, num_draft, num_accepted)
+            self.adapt(seq_id, num_draft, num_accepted, copy=copied)
 
-    def record_misses(self, seq_ids: list[int], asked: list[int]) -> None:
-        """Sequences that reserved ``asked`` draft slots and got no drafts this step. With
-        ``draft="ngram"`` that is prompt lookup finding no match, and what the reserved K
-        bought was one token: adaptive K counts it as a first draft rejected. Its acceptance
-        then covers every step it asks for drafts, not only the steps a copy exists, and so
-        does the tokens-per-step estimate it chooses K by: from copies alone (accepted ~0.6
-        of the time) ngram sequences kept drafting at batch 8, 0.89x plain decoding, where a
-        match came one step in a few. With a draft model, a miss (its pool full) is rare and
-        says nothing about the drafts: not counted (``num_misses`` counts them all)."""
-        self.num_misses += len(seq_ids)
-        if not self.config.lookup_only:
-            return
-        for seq_id, k in zip(seq_ids, asked):
-            self.adapt(seq_id, k, 0)
+    def record_misses(self, count: int) -> None:
+        """Sequences that reserved draft slots and got no drafts this step: with fixed K and
+        ``draft="ngram"``, prompt lookup finding no match; with a draft model, its pool full.
+        Counted only: adaptive K asks for drafts where the lookup has a match (the copy arm),
+        so a step without one no longer reaches it (it once counted as a first draft rejected,
+        which kept ngram from drafting at batch 8 but made it too cautious at batch 1: 0.99x
+        plain decoding where fixed K = 3 made 1.15x)."""
+        self.num_misses += count
 
-    def prior_alpha(self, tree: bool = False) -> float:
+    def prior_alpha(self, tree: bool = False, copy: bool = False) -> float:
         """Every sequence's prior acceptance (re-read each step): this engine's recent
-        acceptance (of trees' levels with ``tree``) once it has seen PRIOR_TRIALS verified
-        drafts, else AdaptiveK's default."""
-        engine = self._engine_tree_alpha if tree else self._engine_alpha
+        acceptance (of trees' levels with ``tree``, of prompt lookup's copies with ``copy``)
+        once it has seen PRIOR_TRIALS verified drafts, else AdaptiveK's default."""
+        engine = self._engine_estimate(tree, copy)
         return engine.alpha if engine.tested >= PRIOR_TRIALS else AdaptiveK.prior_alpha
 
-    def adapt(self, seq_id: int, num_draft: int, num_accepted: int, tree: bool = False) -> None:
+    def _engine_estimate(self, tree: bool, copy: bool) -> AdaptiveK:
+        return self._engine_tree_alpha if tree else self._engine_copy_alpha if copy else self._engine_alpha
+
+    def adapt(self, seq_id: int, num_draft: int, num_accepted: int, tree: bool = False,
+              copy: bool = False) -> None:
         """Feed adaptive K's acceptance estimates, the sequence's (``lookahead`` picks K from
         it) and the engine's (new sequences start from it); with ``tree``, ``num_draft`` is the
-        tree's depth and the estimates are trees' own."""
+        tree's depth and the estimates are trees' own; with ``copy``, prompt lookup's."""
         if not num_draft:
             return
-        (self._engine_tree_alpha if tree else self._engine_alpha).observe([num_draft], [num_accepted])
-        adaptive = (self._adaptive_tree if tree else self._adaptive).get(seq_id)
+        self._engine_estimate(tree, copy).observe([num_draft], [num_accepted])
+        arms = self._adaptive_tree if tree else self._adaptive_copy if copy else self._adaptive
+        adaptive = arms.get(seq_id)
         if adaptive is not None:
             adaptive.observe([num_draft], [num_accepted])
 
     def forget(self, seq_id: int) -> None:
         self._adaptive.pop(seq_id, None)
+        self._adaptive_copy.pop(seq_id, None)
+        self.matches.drop(seq_id)
         self._adaptive_tree.pop(seq_id, None)
         self._last_k.pop(seq_id, None)
 
