@@ -184,6 +184,12 @@ def test_lookup_aware_k_with_ngram_asks_only_where_a_match_exists() -> None:
     assert set(policy.matches.indexes) == {plain.seq_id}
 
 
+def _cheap_copies(policy: SpeculativeDecoder) -> None:
+    """Measured copy-step costs of 1 + 0.1 K at batch 1 (one sequence, all its drafts copies)."""
+    for k in (1, 2, 3, 1, 2, 3):
+        policy.observe_step(1, k, 1.0 + 0.1 * k, drafting=1, copies=1)
+
+
 def test_lookup_aware_k_chooses_copies_apart_from_the_draft_model() -> None:
     """A draft model with prompt lookup first, adaptive K: the model's drafts fail (α ~0.1 at a
     K-step cost of 1 + 0.6 K: K = 0), copies are all accepted and their steps cost 1 + 0.1 K
@@ -197,8 +203,7 @@ def test_lookup_aware_k_chooses_copies_apart_from_the_draft_model() -> None:
     policy = SpeculativeDecoder(None, cfg, cost_ratio=0.05)
     looping, plain = _looping_seq(7), _seqs(1)[0]
     _costly_drafts(policy, [plain])
-    for k in (1, 2, 3, 1, 2, 3):
-        policy.observe_step(1, k, 1.0 + 0.1 * k, drafting=1, copies=1)
+    _cheap_copies(policy)
     assert policy.copy_costs.relative_cost(3, 1) == pytest.approx(1.3)
     assert policy.costs.relative_cost(3, 1) == pytest.approx(2.8)
     for i in range(60):
@@ -217,8 +222,7 @@ def test_a_model_step_after_copies_is_a_catch_up() -> None:
     cfg = SpeculativeConfig(num_speculative_tokens=3, adaptive_k=True, prompt_lookup_max=4)
     policy, seq = SpeculativeDecoder(None, cfg, cost_ratio=0.05), _seqs(1)[0]  # [1, 2, 3, 5]: no match
     _costly_drafts(policy, [seq])
-    for k in (1, 2, 3, 1, 2, 3):
-        policy.observe_step(1, k, 1.0 + 0.1 * k, drafting=1, copies=1)
+    _cheap_copies(policy)
     for _ in range(2):  # the model drafts (its first step a catch-up), then steadily
         assert policy.lookaheads([seq], MAX_LEN) == {seq.seq_id: 1}
         policy.observe_step(1, 1, 1.6, drafting=1)

@@ -61,8 +61,8 @@ class SpeculativeDecoder:
         self.cost_ratio = cost_ratio
         self.stats = AcceptanceStats()  # engine total
         # The part of it prompt lookup drafted (core/prompt_lookup.py): copies are accepted
-        # more often than the model's drafts and cost no draft forward, so adaptive K's
-        # estimates leave them out (see ``record``).
+        # more often than the model's drafts and cost no draft forward, so adaptive K
+        # estimates them apart (the copy arm, see ``record``).
         self.lookup_stats = AcceptanceStats()
         self.num_misses = 0  # sequence-steps that reserved draft slots and got no drafts (``record_misses``)
         self.request_stats: dict[str, AcceptanceStats] = {}
@@ -148,7 +148,7 @@ class SpeculativeDecoder:
             self._last_k[seq.seq_id] = 0
             return 0
         copy = copies > 0
-        arms = self._adaptive_copy if copy else self._adaptive
+        arms = self._arms(False, copy)
         adaptive = arms.get(seq.seq_id)
         if adaptive is None:
             adaptive = arms[seq.seq_id] = AdaptiveK(k_min=0, k_max=k_max, cost_ratio=self.cost_ratio)
@@ -297,6 +297,10 @@ class SpeculativeDecoder:
     def _engine_estimate(self, tree: bool, copy: bool) -> AdaptiveK:
         return self._engine_tree_alpha if tree else self._engine_copy_alpha if copy else self._engine_alpha
 
+    def _arms(self, tree: bool, copy: bool) -> dict[int, AdaptiveK]:
+        """Per-sequence estimates of trees, of copies, or of the draft model's chains."""
+        return self._adaptive_tree if tree else self._adaptive_copy if copy else self._adaptive
+
     def adapt(self, seq_id: int, num_draft: int, num_accepted: int, tree: bool = False,
               copy: bool = False) -> None:
         """Feed adaptive K's acceptance estimates, the sequence's (``lookahead`` picks K from
@@ -305,8 +309,7 @@ class SpeculativeDecoder:
         if not num_draft:
             return
         self._engine_estimate(tree, copy).observe([num_draft], [num_accepted])
-        arms = self._adaptive_tree if tree else self._adaptive_copy if copy else self._adaptive
-        adaptive = arms.get(seq_id)
+        adaptive = self._arms(tree, copy).get(seq_id)
         if adaptive is not None:
             adaptive.observe([num_draft], [num_accepted])
 
