@@ -363,7 +363,12 @@ def test_keep_last_exports_the_final_step_not_the_best(stories_path: str, tmp_pa
 
 def test_the_same_seed_trains_the_same_draft_whatever_ran_before(stories_path: str, tmp_path: Path) -> None:
     """Dropout draws from a generator seeded by ``--seed``, not from whatever state earlier
-    work left torch's global one in (which once made a test pass or fail by test order)."""
+    work left torch's global one in (which once made a test pass or fail by test order).
+
+    Equal up to float rounding, not bit for bit: the same run in one process exported weights
+    one float16 ulp apart (<= 3.1e-5, in at most 5 of 20 tensors) in two of four tries, the
+    matrix products' summation order following their buffers' alignment. Dropout drawn from
+    the global generator (the seeding line removed) moves every tensor by >= 2.4e-3."""
     weights = []
     for run, noise in enumerate((1, 2)):
         torch.manual_seed(noise)  # the caller's RNG state differs between the runs
@@ -372,4 +377,4 @@ def test_the_same_seed_trains_the_same_draft_whatever_ran_before(stories_path: s
         with safe_open(str(out / "model.safetensors"), "pt") as f:
             weights.append({name: f.get_tensor(name) for name in f.keys()})
     assert weights[0].keys() == weights[1].keys()
-    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    assert all(torch.allclose(weights[0][name], weights[1][name], rtol=0, atol=5e-4) for name in weights[0])
