@@ -46,10 +46,11 @@ def _inject(llm: LLM, cost: Callable[[int, int], float],
     asked: list[dict[int, int]] = []
 
     def observe_injected(batch: int, k: int, seconds: float, sampled: bool = False,
-                         drafting: int | None = None, trees: int = 0, copies: int = 0) -> None:
+                         drafting: int | None = None, trees: int = 0, copies: int = 0,
+                         rows: int | None = None) -> None:
         if observed is not None:
             observed.append((batch, k, drafting))
-        observe(batch, k, cost(batch, k), sampled, drafting, trees, copies)
+        observe(batch, k, cost(batch, k), sampled, drafting, trees, copies, rows)
 
     def lookaheads_spy(seqs, max_model_len):
         asked.append(lookaheads(seqs, max_model_len))

@@ -168,8 +168,8 @@ def test_adaptive_k_lives_in_the_engines_one_policy(stories_path: str, draft_dir
     policy = engine.speculative
     assert not any(isinstance(v, type(policy)) for v in vars(engine.core).values())
     observe = policy.observe_step  # step times injected (drafts nearly free): K follows α, not the machine
-    policy.observe_step = lambda batch, k, seconds, sampled=False, drafting=None, trees=0, copies=0: observe(
-        batch, k, 1.0 + 0.01 * k, sampled, drafting, trees, copies)
+    policy.observe_step = lambda batch, k, seconds, sampled=False, drafting=None, trees=0, copies=0, rows=None: observe(
+        batch, k, 1.0 + 0.01 * k, sampled, drafting, trees, copies, rows)
     asked: list[dict[int, int]] = []
     reserved: list[dict[int, int]] = []
     schedule = engine.core.schedule

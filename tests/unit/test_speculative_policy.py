@@ -364,3 +364,88 @@ def _request_stream(policy: SpeculativeDecoder, seconds: float, accepted: int) -
         drafting_steps += bool(k)
         plain_steps += not k
     return drafting_steps, plain_steps
+
+
+def _batch8_copy_costs(policy: SpeculativeDecoder) -> None:
+    """Batch 8, prompt lookup alone: plain steps 80 ms; a step in which all 8 sequences copy K
+    costs 80 + 10 (once) + 8 K x 1 ms (per drafted row). Per sequence K = 1 then looks cheap
+    (1.225x plain for 8 tokens' worth of chances), while a lone copier pays the 10 ms alone."""
+    for _ in range(3):
+        policy.observe_step(8, 0, 0.080)
+    for i in range(12):
+        k = 1 + i % 3
+        policy.observe_step(8, k, 0.090 + 0.008 * k, drafting=8, copies=8, rows=8 * k)
+
+
+def test_a_partly_drafting_step_is_weighed_as_a_whole() -> None:
+    """Each sequence chooses K against a step where every sequence drafts (the fixed part shared
+    by 8); in a step where only some draft, they pay it alone. One copier at α = 0.5 choosing
+    K = 2 would gain 0.75 tokens (7.5 ms at 10 ms a token) for 10 + 2 ms: the step decodes plainly, its
+    sequence marked as having skipped. Two copiers at α = 0.9 gain ~4.9 tokens for 16 ms: they
+    draft. Mutations caught: the check in ``lookaheads`` dropped (the lone copier drafts);
+    ``_step_pays`` counting E[tokens] instead of the extra tokens (the lone copier's 1.75
+    tokens read as 17.5 ms > 12: it drafts)."""
+    cfg = SpeculativeConfig(draft="ngram", num_speculative_tokens=3, adaptive_k=True)
+    policy = SpeculativeDecoder(None, cfg, cost_ratio=0.0)
+    _batch8_copy_costs(policy)
+    assert policy.copy_costs.extra_seconds(3, 8) == pytest.approx(0.013)
+    lone, others = _looping_seq(100), _seqs(7)
+    for _ in range(30):
+        policy.record(lone.request_id, lone.seq_id, 3, 1, copied=True)  # α = 0.5
+    assert policy.lookaheads([lone, *others], MAX_LEN) == {}
+    assert policy.num_unpaid_steps == 1 and policy._last_k[lone.seq_id] == 0
+    policy.step_check = False  # the sequence's own choice, which the check overrode
+    assert policy.lookaheads([lone, *others], MAX_LEN) == {lone.seq_id: 2}
+    policy.step_check = True
+    good = [_looping_seq(200), _looping_seq(201)]
+    for seq in good:
+        for i in range(30):
+            policy.record(seq.request_id, seq.seq_id, 3, 3 if i % 10 else 0, copied=True)
+    assert policy.lookaheads([*good, *others[:6]], MAX_LEN) == {good[0].seq_id: 3, good[1].seq_id: 3}
+    assert policy.num_unpaid_steps == 1
+
+
+def test_the_step_check_waits_for_its_fit_and_spares_full_steps() -> None:
+    """Before ``min_fit`` drafting steps were measured the sequences' own choices stand; a step
+    in which every sequence drafts is each sequence's own choice (the per-K means measure
+    exactly that step). Mutations caught: ``_step_pays`` treating an unfitted model as "does
+    not pay" (nothing ever drafts, so nothing is ever fitted); ``len(wanted) < len(seqs)``
+    dropped (full steps vetoed by the lone-drafter reading)."""
+    cfg = SpeculativeConfig(draft="ngram", num_speculative_tokens=3, adaptive_k=True)
+    policy = SpeculativeDecoder(None, cfg, cost_ratio=0.0)
+    for _ in range(3):
+        policy.observe_step(8, 0, 0.080)
+    lone, others = _looping_seq(100), _seqs(7)
+    for _ in range(30):
+        policy.record(lone.request_id, lone.seq_id, 3, 1, copied=True)
+    assert policy.lookaheads([lone, *others], MAX_LEN) == {lone.seq_id: 3}  # the prior cost: no fit yet
+    _batch8_copy_costs(policy)
+    loopers = [_looping_seq(300 + i) for i in range(8)]
+    for seq in loopers:
+        for _ in range(30):
+            policy.record(seq.request_id, seq.seq_id, 3, 1, copied=True)
+    wanted = policy.lookaheads(loopers, MAX_LEN)
+    assert set(wanted) == {seq.seq_id for seq in loopers} and min(wanted.values()) > 0
+    assert policy.num_unpaid_steps == 0
+
+
+def test_at_batch_1_the_measured_step_decides_not_the_fit() -> None:
+    """A step in which every sequence drafts is exactly what the per-K means measured, so the
+    sequences' choices stand there even where the fixed + per-row line disagrees. At batch 1,
+    K = 1 / 2 / 3 steps cost +20 / +1 / +1 ms over a 10 ms plain step: the means pick K = 3
+    for copies accepted 3 times in 10 (1.42 tokens for 1.1x); the line (slope clamped at 0)
+    reads every drafting step at +7.3 ms, more than the 0.42 extra tokens are worth. Mutation
+    caught: ``len(wanted) < len(seqs)`` dropped from the check (the step decodes plainly)."""
+    cfg = SpeculativeConfig(draft="ngram", num_speculative_tokens=3, adaptive_k=True)
+    policy = SpeculativeDecoder(None, cfg, cost_ratio=0.0)
+    for _ in range(3):
+        policy.observe_step(1, 0, 0.010)
+    for _ in range(3):
+        for k, extra in ((1, 0.020), (2, 0.001), (3, 0.001)):
+            policy.observe_step(1, k, 0.010 + extra, drafting=1, copies=1, rows=k)
+    seq = _looping_seq(7)
+    for i in range(40):
+        policy.record(seq.request_id, seq.seq_id, 1, int(i % 10 < 3), copied=True)
+    assert policy.copy_costs.extra_seconds(3, 1) > 0.0042
+    assert policy.lookaheads([seq], MAX_LEN) == {seq.seq_id: 3}
+    assert policy.num_unpaid_steps == 0

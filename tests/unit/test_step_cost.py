@@ -187,3 +187,38 @@ def test_partly_drafting_steps_noisy_both_ways_average_to_their_cost() -> None:
     for i in range(80):
         m.record(8, 1, 1.0625 + (0.1 if i % 2 else -0.1), drafting=1)
     assert 1.4 < m.relative_cost(1, 8) < 1.65
+
+
+def test_fit_splits_a_drafting_step_into_a_fixed_part_and_a_part_per_row() -> None:
+    """A drafting step costs plain + 10 ms once + 1 ms per drafted row (the shape measured at
+    batch 8: a lone copier paid ~8.6 ms). Steps of 8, 16 and 24 rows with ±0.5 ms of noise; the
+    fit must give back ~10 ms and ~1 ms/row, and so a lone drafter's step at 3 rows ~13 ms,
+    where the per-K means (scaled to all 8 drafting) say nothing about it. None before
+    ``min_fit`` drafting steps. Mutations caught: ``extra_seconds`` through the origin (slope
+    only: 3 rows read as ~4.4 ms); the fit fed the scaled seconds instead of the step's own (the
+    fixed part read ~8x)."""
+    m = StepCostModel(prior_cost_ratio=0.0, min_fit=8)
+    _feed(m, 8, 0, 0.080)
+    assert m.extra_seconds(3, 8) is None
+    for i in range(30):
+        k = 1 + i % 3
+        m.record(8, k, 0.080 + 0.010 + 0.001 * 8 * k + (0.0005 if i % 2 else -0.0005), rows=8 * k)
+    fixed, per_row = m.fit_line(8)
+    assert fixed == pytest.approx(0.010, abs=0.001) and per_row == pytest.approx(0.001, abs=0.0001)
+    assert m.extra_seconds(3, 8) == pytest.approx(0.013, abs=0.001)
+    assert m.extra_seconds(3, 2) is None  # another bucket: nothing measured there
+    assert m.plain_seconds(8) == pytest.approx(0.080)
+
+
+def test_fit_of_one_row_count_reads_the_whole_cost_as_fixed() -> None:
+    """Every drafting step had 3 rows: fixed and per-row cannot be told apart, and the cost at
+    3 rows must come back whole (all of it fixed: the drafters of a step pay it together), and
+    a stall is clipped. Mutation caught: the degenerate branch of ``_Fit.line`` dropped (a
+    division by ~0: the prediction is nan or wild)."""
+    m = StepCostModel(prior_cost_ratio=0.0, min_fit=4, max_jump=1.25)
+    _feed(m, 8, 0, 0.080)
+    for _ in range(10):
+        m.record(8, 3, 0.093, drafting=1, rows=3)
+    assert m.fit_line(8) == pytest.approx((0.013, 0.0), abs=1e-9)
+    m.record(8, 3, 10.0, drafting=1, rows=3)  # a 10 s stall counts as 1.25 x 93 ms
+    assert m.extra_seconds(3, 8) < 0.020

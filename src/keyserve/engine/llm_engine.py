@@ -345,7 +345,7 @@ class LLMEngine:
         drafts = [len(it.draft_token_ids) for it in items]
         self.speculative.observe_step(len(items), max(drafts), seconds, step_samples(seqs),
                                       sum(1 for n in drafts if n), sum(1 for it in items if it.draft_parents),
-                                      sum(1 for it in items if it.draft_copied))
+                                      sum(1 for it in items if it.draft_copied), sum(drafts))
 
     def _flush_store_if_idle(self) -> None:
         """With no request left nobody waits for a token: store what was copied out now
