@@ -242,12 +242,13 @@ def test_amx_off_switch_keeps_bf16_at_16_rows(monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.parametrize("rows", [8, 13, 40, 64])
 def test_f32_rows_on_register_tiles(rows: int, native_calls: list[int]) -> None:
-    """float32 steps of 8-64 rows on an AVX-512 build multiply on f32_block.c's register tiles
-    (weights packed 32 outputs to a block): K/V, hidden states and logits against the torch path
-    within float32 rounding. 13 rows: a partial second 12-row tile."""
+    """float32 steps of 8-64 rows on an AVX-512 or AVX2 build multiply on f32_block.c's register
+    tiles (weights packed 32 outputs to a block): K/V, hidden states and logits against the torch
+    path within float32 rounding. 13 rows: a partial second 12-row tile (AVX-512), or tiles of
+    5, 4 and 4 rows over each half block (AVX2)."""
     model = ours_from_hf(tiny_hf("llama", seed=4, intermediate_size=128), dtype=torch.float32)
     if model._native_decode._packed is None:
-        pytest.skip("no AVX-512 build here: float32 steps keep the row kernel")
+        pytest.skip("no AVX-512 or AVX2 build here: float32 steps keep the row kernel")
     seqs = [3 + (i * 5) % 23 for i in range(rows)]
     n = _compare_steps(model, seqs, steps=2, num_blocks=8 * rows)
     assert native_calls[0] == n == 2
