@@ -96,7 +96,9 @@ SECTION_TITLES = {"speculative_ray": "Speculative sampling on the Ray engine: th
                   "speculative_lookup_aware": "Speculative sampling: lookup-aware adaptive K, copies chosen apart "
                   "from the draft model (issue 19)",
                   "speculative_lookup_aware_b8": "Speculative sampling: lookup-aware adaptive K at batch 8, after "
-                  "the step-cost fix (issue 19)"}
+                  "the step-cost fix (issue 19)",
+                  "speculative_tiles": "Speculative sampling on the AVX2 float32 register tiles: verify rows "
+                  "cheaper (issue 19)"}
 RAY_TARGETS = {0.0: 1.5}  # issue 19: the Ray engine with the draft actor, batch 1, over its own plain decoding
 
 
