@@ -625,8 +625,12 @@ def render(rows: list[Row], meta: dict) -> str:
             f"{m.lookup_drafted / m.drafted:.2f}" if r.lookup and m.drafted else "–",
             _split_acceptance(m) if r.lookup else "–",
         ])
-    best = _fastest([m for m in ours if not m.first.plain and not m.first.adaptive], lambda r: (r.batch, r.temperature))
-    adaptive_rows = sorted((m for m in ours if m.first.adaptive), key=lambda m: (m.first.tree, m.first.k))
+    # The targets count every way keyserve speculates in process, prompt lookup alone included.
+    speculating = ours + [m for m in agg.values() if m.first.engine == "ngram"]
+    best = _fastest([m for m in speculating if not m.first.plain and not m.first.adaptive],
+                    lambda r: (r.batch, r.temperature))
+    adaptive_rows = sorted((m for m in speculating if m.first.adaptive),
+                           key=lambda m: (m.first.engine, m.first.tree, m.first.k))
     adaptive = _fastest(adaptive_rows, lambda r: (r.batch, r.temperature))  # chains' or a tree's
     hf_best = _fastest([m for m in theirs.values() if m.first.k], lambda r: r.temperature)
     summary, verdicts = [], []
