@@ -51,7 +51,7 @@ void keyserve_f32_pack(const float *w, int64_t n, int64_t k, float *packed) {
  * offset by 0 or 16 outputs; consecutive inputs KS_F32_BLOCK_COLS apart) and the block is
  * multiplied in two halves, each with every row tile. out: [MR, 16]. The sums are the AVX-512
  * tiles' to the bit: per output one accumulator, inputs in order, one FMA each. */
-#define KS_F32_HALF 16
+#define KS_F32_TILE_COLS 16 /* outputs per tile: half a packed block */
 /* One row of the tile: its two accumulators, a##r##0 and a##r##1, named rather than an array,
  * which GCC kept on the stack (stored every input: ~1.3x slower than the row kernel). */
 #define KS_F32_ROW_FMA(r)                                                                          \
@@ -62,8 +62,8 @@ void keyserve_f32_pack(const float *w, int64_t n, int64_t k, float *packed) {
     }
 #define KS_F32_ROW_STORE(r)                                                                        \
     if (tile_rows > r) {                                                                                \
-        _mm256_storeu_ps(out + r * KS_F32_HALF, a##r##0);                                          \
-        _mm256_storeu_ps(out + r * KS_F32_HALF + 8, a##r##1);                                      \
+        _mm256_storeu_ps(out + r * KS_F32_TILE_COLS, a##r##0);                                          \
+        _mm256_storeu_ps(out + r * KS_F32_TILE_COLS + 8, a##r##1);                                      \
     }
 #define KS_F32_TILE(MR)                                                                            \
     static void ks_f32_tile##MR(const float *xp, int64_t ldx, int64_t k, const float *b, float *out, \
@@ -93,35 +93,9 @@ KS_F32_TILE(4)
 KS_F32_TILE(5)
 KS_F32_TILE(6)
 
-typedef void (*ks_f32_tile_fn)(const float *, int64_t, int64_t, const float *, float *, const char *, int64_t);
-static const ks_f32_tile_fn KS_F32_TILES[KS_F32_BLOCK_ROWS + 1] = {
-    0, ks_f32_tile1, ks_f32_tile2, ks_f32_tile3, ks_f32_tile4, ks_f32_tile5, ks_f32_tile6};
-
-void ks_f32_cols(const float *x, int m, int ldx, int64_t k, const float *packed, int64_t c0, int64_t c1,
-                 float *y, int ldy) {
-    const int rb = (m + KS_F32_BLOCK_ROWS - 1) / KS_F32_BLOCK_ROWS;
-    const int tiles = 2 * rb; /* per block: each half, every row tile */
-    float tile[KS_F32_BLOCK_ROWS * KS_F32_HALF];
-    const int64_t block_lines = k * KS_F32_BLOCK_COLS * (int64_t)sizeof(float) / 64;
-    const int64_t nb1 = c1 / KS_F32_BLOCK_COLS;
-    for (int64_t nb = c0 / KS_F32_BLOCK_COLS; nb < nb1; nb++) {
-        const float *b = packed + nb * k * KS_F32_BLOCK_COLS;
-        const char *next = nb + 1 < nb1 ? (const char *)(b + k * KS_F32_BLOCK_COLS) : 0;
-        for (int h = 0, u = 0; h < 2; h++) {
-            for (int r0 = 0, t = 0; r0 < m; t++, u++) {
-                const int rows = (m - r0) / (rb - t) + ((m - r0) % (rb - t) != 0);
-                const int64_t l0 = block_lines * u / tiles, l1 = block_lines * (u + 1) / tiles;
-                KS_F32_TILES[rows](x + (int64_t)r0 * ldx, ldx, k, b + h * KS_F32_HALF, tile,
-                                   next ? next + l0 * 64 : 0, next ? l1 - l0 : 0);
-                for (int r = 0; r < rows; r++)
-                    memcpy(y + (int64_t)(r0 + r) * ldy + nb * KS_F32_BLOCK_COLS + h * KS_F32_HALF,
-                           tile + r * KS_F32_HALF, sizeof(float) * KS_F32_HALF);
-                r0 += rows;
-            }
-        }
-    }
-}
+#define KS_F32_TILE_LIST ks_f32_tile1, ks_f32_tile2, ks_f32_tile3, ks_f32_tile4, ks_f32_tile5, ks_f32_tile6
 #else
+#define KS_F32_TILE_COLS KS_F32_BLOCK_COLS /* outputs per tile: the whole packed block */
 #define KS_F32_TILE(MR)                                                                            \
     static void ks_f32_tile##MR(const float *xp, int64_t ldx, int64_t k, const float *b, float *out, \
                                 const char *pf, int64_t lines) {                                   \
@@ -138,8 +112,8 @@ void ks_f32_cols(const float *x, int m, int ldx, int64_t k, const float *packed,
             }                                                                                      \
         }                                                                                          \
         for (int r = 0; r < MR; r++) {                                                             \
-            _mm512_storeu_ps(out + r * KS_F32_BLOCK_COLS, acc[r][0]);                              \
-            _mm512_storeu_ps(out + r * KS_F32_BLOCK_COLS + 16, acc[r][1]);                         \
+            _mm512_storeu_ps(out + r * KS_F32_TILE_COLS, acc[r][0]);                              \
+            _mm512_storeu_ps(out + r * KS_F32_TILE_COLS + 16, acc[r][1]);                         \
         }                                                                                          \
     }
 KS_F32_TILE(1)
@@ -155,38 +129,43 @@ KS_F32_TILE(10)
 KS_F32_TILE(11)
 KS_F32_TILE(12)
 
+#define KS_F32_TILE_LIST ks_f32_tile1, ks_f32_tile2, ks_f32_tile3, ks_f32_tile4, ks_f32_tile5, ks_f32_tile6, \
+    ks_f32_tile7, ks_f32_tile8, ks_f32_tile9, ks_f32_tile10, ks_f32_tile11, ks_f32_tile12
+#endif /* KS_F32_BLOCK_AVX2 */
+
 typedef void (*ks_f32_tile_fn)(const float *, int64_t, int64_t, const float *, float *, const char *, int64_t);
-static const ks_f32_tile_fn KS_F32_TILES[KS_F32_BLOCK_ROWS + 1] = {
-    0, ks_f32_tile1, ks_f32_tile2, ks_f32_tile3, ks_f32_tile4, ks_f32_tile5, ks_f32_tile6,
-    ks_f32_tile7, ks_f32_tile8, ks_f32_tile9, ks_f32_tile10, ks_f32_tile11, ks_f32_tile12};
+static const ks_f32_tile_fn KS_F32_TILES[KS_F32_BLOCK_ROWS + 1] = {0, KS_F32_TILE_LIST};
 
 void ks_f32_cols(const float *x, int m, int ldx, int64_t k, const float *packed, int64_t c0, int64_t c1,
                  float *y, int ldy) {
     const int rb = (m + KS_F32_BLOCK_ROWS - 1) / KS_F32_BLOCK_ROWS;
-    float tile[KS_F32_BLOCK_ROWS * KS_F32_BLOCK_COLS];
+    const int parts = KS_F32_BLOCK_COLS / KS_F32_TILE_COLS; /* of a block: 1 (AVX-512) or 2 halves (AVX2) */
+    const int tiles = parts * rb;                           /* per block: each part, every row tile */
+    float tile[KS_F32_BLOCK_ROWS * KS_F32_TILE_COLS];
     const int64_t block_lines = k * KS_F32_BLOCK_COLS * (int64_t)sizeof(float) / 64;
     const int64_t nb1 = c1 / KS_F32_BLOCK_COLS;
     for (int64_t nb = c0 / KS_F32_BLOCK_COLS; nb < nb1; nb++) {
         const float *b = packed + nb * k * KS_F32_BLOCK_COLS;
-        /* the next block, a share per row tile (none after the last block) */
+        /* the next block, a share per tile (none after the last block) */
         const char *next = nb + 1 < nb1 ? (const char *)(b + k * KS_F32_BLOCK_COLS) : 0;
-        /* rb tiles of balanced heights (16 rows: 8 + 8, not 12 + 4: a short tile does few FMAs
-         * per weight load) */
-        for (int r0 = 0, t = 0; r0 < m; t++) {
-            const int rows = (m - r0) / (rb - t) + ((m - r0) % (rb - t) != 0);
-            const float *xp = x + (int64_t)r0 * ldx;  /* read in place: no tile needs padding rows */
-            const int64_t l0 = block_lines * t / rb, l1 = block_lines * (t + 1) / rb;
-            const char *pf = next ? next + l0 * 64 : 0;
-            const int64_t lines = next ? l1 - l0 : 0;
-            KS_F32_TILES[rows](xp, ldx, k, b, tile, pf, lines);
-            for (int r = 0; r < rows; r++)
-                memcpy(y + (int64_t)(r0 + r) * ldy + nb * KS_F32_BLOCK_COLS, tile + r * KS_F32_BLOCK_COLS,
-                       sizeof(float) * KS_F32_BLOCK_COLS);
-            r0 += rows;
+        for (int h = 0, u = 0; h < parts; h++) {
+            /* rb tiles of balanced heights (16 rows: 8 + 8, not 12 + 4: a short tile does few
+             * FMAs per weight load) */
+            for (int r0 = 0, t = 0; r0 < m; t++, u++) {
+                const int rows = (m - r0) / (rb - t) + ((m - r0) % (rb - t) != 0);
+                const float *xp = x + (int64_t)r0 * ldx;  /* read in place: no tile needs padding rows */
+                const int64_t l0 = block_lines * u / tiles, l1 = block_lines * (u + 1) / tiles;
+                const char *pf = next ? next + l0 * 64 : 0;
+                const int64_t lines = next ? l1 - l0 : 0;
+                KS_F32_TILES[rows](xp, ldx, k, b + h * KS_F32_TILE_COLS, tile, pf, lines);
+                for (int r = 0; r < rows; r++)
+                    memcpy(y + (int64_t)(r0 + r) * ldy + nb * KS_F32_BLOCK_COLS + h * KS_F32_TILE_COLS,
+                           tile + r * KS_F32_TILE_COLS, sizeof(float) * KS_F32_TILE_COLS);
+                r0 += rows;
+            }
         }
     }
 }
-#endif /* KS_F32_BLOCK_AVX2 */
 
 /* y [m, n] = x [m, k] . W^T for W packed by keyserve_f32_pack, the 32-column blocks split over
  * num_threads OpenMP threads (the LM head of a decode step of a few dozen rows: an ordinary
