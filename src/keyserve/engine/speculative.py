@@ -259,15 +259,15 @@ class SpeculativeDecoder:
         prompt lookup alone: steps with 1.2 copying sequences took 89.8 ms against 79.3 ms plain
         for 0.72 accepted copies (0.96x the plain rate), steps with 2.3 took 77.5 against 66.2 ms
         for 2.39 (1.11x). Until the fit has its samples the sequences' choices stand."""
-        copies_only = all(self._plans.get(seq_id, (0.0, False))[1] for seq_id in wanted)
+        plans = [(self._plans[seq_id], k) for seq_id, k in wanted.items()]  # every chain's K came from _adaptive_k
+        copies_only = all(copy for (_, copy), _ in plans)
         costs = self.copy_costs if copies_only else self.costs
         plain = costs.plain_seconds(batch, sampled)
         extra = costs.extra_seconds(sum(wanted.values()), batch, sampled)
         if plain is None or extra is None:
             return True
         gain = 0.0
-        for seq_id, k in wanted.items():
-            alpha = self._plans.get(seq_id, (AdaptiveK.prior_alpha, False))[0]
+        for (alpha, _), k in plans:
             gain += expected_tokens(min(max(alpha, 0.0), 1.0), k) - 1.0
         return gain * plain / batch > extra
 
