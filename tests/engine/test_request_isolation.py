@@ -170,6 +170,25 @@ def test_poison_past_admission_fails_alone(llm: LLM, no_admission) -> None:
     assert solo(llm, *good[0]) == alone[0]  # and it carries on
 
 
+def test_seeded_neighbours_draw_the_same_when_the_batch_fails_after_its_draws(llm: LLM, no_admission) -> None:
+    """A poison that breaks sampling only after every row drew (a fractional ``top_logprobs``
+    breaks the top-logprobs stage, which runs after the draws): the batch's draws are thrown
+    away and every row samples alone. Seeded neighbours (n = 1 and n = 2) must draw again from
+    where the batch found their generators, so their tokens equal their solo runs; without the
+    rewind each would draw its second sample of that step instead."""
+    seeded = [(PROMPTS[0], SamplingParams(**{**GREEDY, "temperature": 3.0, "seed": 11})),
+              (PROMPTS[3], SamplingParams(**{**GREEDY, "temperature": 3.0, "seed": 12, "n": 2}))]
+    alone = [[o.token_ids for o in llm.generate(p, sp)[0].outputs] for p, sp in seeded]
+    llm.engine.block_manager.reset_prefix_cache()
+    engine = llm.engine
+    ids = [engine.add_request(p, sp) for p, sp in seeded]
+    bad = engine.add_request(PROMPTS[1], hostile(top_logprobs=1.5, temperature=1.0))
+    finished = engine.run_until_done()
+    assert [[o.token_ids for o in finished[rid].outputs] for rid in ids] == alone
+    assert "sampling failed" in str(finished[bad].error)
+    assert_clean(llm)
+
+
 def test_a_fault_outside_every_request_fails_that_step_only(stories_path: str) -> None:
     """A fault in the forward itself (injected: nothing in a request can cause one) fails the
     requests of that step, leaves the engine consistent, and a request that was waiting

@@ -7,7 +7,9 @@ generator that simply went on would draw different numbers for the same token: t
 request would no longer equal its run without the fault. So before a sequence's draws, the
 generator is marked with the number of tokens the sequence has; a step for the same number
 rewinds it to that mark. One mark per sequence suffices: at most one unacknowledged step per
-sequence is ever in flight. Pure torch: the model runner (target side) and the drafter share it.
+sequence is ever in flight. The same mark serves a batched stage that raised after its draws
+(one row's ``top_logprobs`` broke after every row sampled): each row, run again alone, is
+rewound to it first, so it draws what it drew in the batch. Pure torch: the model runner (target side) and the drafter share it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ class GeneratorMarks:
             generator.set_state(mark[1])
         else:
             self._marks[seq_id] = (num_tokens, generator.get_state())
+
+    def rewind(self, seq_id: int, generator: torch.Generator | None) -> None:
+        """Back to the sequence's latest mark (its state before this step's draws), so a
+        stage run again row by row draws what the batch drew."""
+        mark = self._marks.get(seq_id)
+        if generator is not None and mark is not None:
+            generator.set_state(mark[1])
 
     def drop(self, seq_id: int) -> None:
         self._marks.pop(seq_id, None)

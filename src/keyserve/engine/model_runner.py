@@ -404,9 +404,9 @@ class ModelRunner:
     def sample(self, targets: list[int], logits: torch.Tensor, out: StepOutput) -> None:
         """One token per target row (``logits`` [len(targets), vocab]). If the batch raises,
         each row is sampled alone (the error path) and the rows that still raise fail their
-        sequence alone. Their parameters are processed before any generator draws, so the
-        others' seeded streams are where the batch left them and each draws what it would
-        have drawn in the batch."""
+        sequence alone. Each row alone starts from its generator's mark (the state before
+        this step's draws), so whether the batch failed before or after drawing, a seeded row
+        draws what it would have drawn in the batch."""
         try:
             self._sample_rows(targets, logits, out)
         except Exception as e:  # noqa: BLE001
@@ -568,13 +568,15 @@ class ModelRunner:
                 if params[row].top_logprobs:
                     out.top_logprobs[item.seq_id] = tops[row * width : row * width + accepted[row] + 1]
 
-    @staticmethod
-    def _per_row(what: str, error: Exception, seq_ids: list[int], run_row: Callable[[int], None],
+    def _per_row(self, what: str, error: Exception, seq_ids: list[int], run_row: Callable[[int], None],
                  out: StepOutput) -> None:
-        """The error path of a batched stage: run each row alone; the rows that raise fail
-        their sequence. If none does, the batch's error was not any one row's: re-raise it."""
+        """The error path of a batched stage: run each row alone, its seeded generator first
+        rewound to where the batch found it (the batch may have raised after its draws); the
+        rows that raise fail their sequence. If none does, the batch's error was not any one
+        row's: re-raise it."""
         culprits = 0
         for i, seq_id in enumerate(seq_ids):
+            self.generator_marks.rewind(seq_id, self.generators.get(seq_id))
             try:
                 run_row(i)
             except Exception as e:  # noqa: BLE001
