@@ -93,13 +93,19 @@ class LLM:
             self._unsettled = []
             raise
         done: dict[str, RequestOutput] = {}
+        others: list[RequestOutput] = []  # the ends of requests added with engine.add_request
+        mine = set(ids)
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
-                    if out.finished:
+                    if not out.finished:
+                        continue
+                    if out.request_id in mine:
                         done[out.request_id] = out
                         bar.update(1)
+                    else:
+                        others.append(out)
         except BaseException:
             for rid in ids:
                 engine.abort(rid)
@@ -107,6 +113,7 @@ class LLM:
             raise
         finally:
             bar.close()
+            engine.hold_outputs(others)  # their owner's next step returns them
         self._unsettled = []
         return [done[rid] for rid in ids]
 
@@ -182,8 +189,8 @@ class RayLLM(LLM):
 
 
 class _OneCallAtATime:
-    """``generate`` steps the engine until *every* request in it is done and keeps the outputs
-    of its own: two calls at once would each finish (and drop) the other's requests, or step
+    """``generate`` steps the engine until *every* request in it is done and returns the outputs
+    of its own (the others' ends are held for the engine's next step): two calls at once would each finish (and drop) the other's requests, or step
     the engine from two threads. A call from another thread waits its turn; one from inside a
     running call on its own thread (a progress-bar or tokenizer callback) is refused."""
 

@@ -108,3 +108,21 @@ def test_a_second_interrupt_during_clean_up_leaves_nothing_for_the_next_call(llm
     assert tokens(llm.generate(["One day"], params)) == [want[PROMPTS.index("One day")]]
     assert max(ran) == 1  # the leftovers were aborted, not run beside it
     assert_idle(llm)
+
+
+def test_generate_keeps_the_ends_of_requests_it_does_not_own(llm: LLM) -> None:
+    """Requests added with ``engine.add_request`` run to their end inside a ``generate`` call,
+    which returns only its own outputs; the others' ends are held for the engine's next step,
+    so stepping the engine for them (``run_until_done``) still returns them -- the same
+    tokens as alone -- even after another ``generate`` call in between."""
+    alone = tokens(llm.generate(OTHERS, GREEDY))
+    engine = llm.engine
+    ids = [engine.add_request(p, GREEDY) for p in OTHERS]
+    assert tokens(llm.generate(PROMPTS[:2], GREEDY)) == tokens(llm.generate(PROMPTS[:2], GREEDY))
+    assert engine.has_unfinished_requests()
+    finished = engine.run_until_done()
+    assert sorted(finished) == sorted(ids)
+    assert [finished[rid].token_ids for rid in ids] == alone
+    assert all(finished[rid].finished for rid in ids)
+    assert not engine.has_unfinished_requests() and engine.step() == []
+    assert_idle(llm)

@@ -131,6 +131,7 @@ class LLMEngine:
         self.drafter = parts.speculative.drafter if parts.speculative is not None else None
         self.eos_token_ids = self._eos_ids(parts.arch)
         self.requests: dict[str, _Request] = {}
+        self._held_outputs: list[RequestOutput] = []  # finished, stepped past by a non-owner (``hold_outputs``)
         self._seq_owner: dict[int, _Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._blocks: dict[int, int] = {}  # seq_id -> KV blocks it holds (from the core)
@@ -266,7 +267,14 @@ class LLMEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests still running, or finished outputs held for the next ``step``."""
+        return bool(self.requests) or bool(self._held_outputs)
+
+    def hold_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Finished outputs that a caller stepped past but does not own (``LLM.generate`` on an
+        engine that also holds requests added with ``add_request``): the next ``step`` returns
+        them first, so whoever steps the engine for them still gets their ends."""
+        self._held_outputs.extend(outputs)
 
     # ------------------------------------------------------------------- step
     # Exceptions that concern the whole engine (RayEngine: a lost shard or KV-block manager);
@@ -297,6 +305,8 @@ class LLMEngine:
         if self.last_step_empty and not outputs and self.requests:
             outputs = self._fail_unschedulable()
         self._flush_store_if_idle()
+        if self._held_outputs:
+            outputs, self._held_outputs = self._held_outputs + outputs, []
         return outputs
 
     def _fail_unschedulable(self) -> list[RequestOutput]:
