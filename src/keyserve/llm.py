@@ -190,9 +190,10 @@ class RayLLM(LLM):
 
 class _OneCallAtATime:
     """``generate`` steps the engine until *every* request in it is done and returns the outputs
-    of its own (the others' ends are held for the engine's next step): two calls at once would each finish (and drop) the other's requests, or step
-    the engine from two threads. A call from another thread waits its turn; one from inside a
-    running call on its own thread (a progress-bar or tokenizer callback) is refused."""
+    of its own (the others' ends are held for the engine's next step): two calls at once would
+    each finish the other's requests, or step the engine from two threads. A call from another
+    thread waits its turn; one from inside a running call on its own thread (a progress-bar or
+    tokenizer callback) is refused."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

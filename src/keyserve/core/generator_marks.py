@@ -9,7 +9,8 @@ generator is marked with the number of tokens the sequence has; a step for the s
 rewinds it to that mark. One mark per sequence suffices: at most one unacknowledged step per
 sequence is ever in flight. The same mark serves a batched stage that raised after its draws
 (one row's ``top_logprobs`` broke after every row sampled): each row, run again alone, is
-rewound to it first, so it draws what it drew in the batch. Pure torch: the model runner (target side) and the drafter share it.
+rewound to it first, so it draws what it drew in the batch. Pure torch: the model runner
+(target side) and the drafter share it.
 """
 
 from __future__ import annotations
