@@ -48,9 +48,8 @@ def gather(llm: LLM, table: list[int], slots: torch.Tensor) -> torch.Tensor:  # 
 
 
 def first_step(llm: LLM, ids: list[int], params: SamplingParams, whole_prompt: bool = True):
-    """Admit and prefill one request (``whole_prompt``: every step of its prompt -- a prompt
-    scored by attention stops a step at the store's chunk boundary; else one step); returns
-    (request id, its sequence)."""
+    """Admit and prefill one request (``whole_prompt``: every step of its prompt; else one
+    step); returns (request id, its sequence)."""
     engine = llm.engine
     rid = engine.add_request(ids, params)
     engine.step()
@@ -347,10 +346,8 @@ def test_storing_waits_for_the_step_after_the_first_token(stories_path: str, tmp
     ids = engine.encode_prompt(STORY)
     rid = engine.add_request(ids, greedy(3, kv_policy="h2o", kv_budget=0.5))
     aligned = len(ids) - len(ids) % BLOCK
-    outs = engine.step()  # the prompt up to its last chunk boundary: the scores stored are as of there
-    assert not outs or not outs[0].token_ids
-    assert engine.requests[rid].seqs[0].num_computed_tokens == aligned
-    outs = engine.step()  # the rest of the prompt and the first token
+    assert aligned < len(ids)  # the prompt crosses a chunk boundary: scores stored as of there
+    outs = engine.step()  # the whole prompt and the first token: the boundary costs no step
     assert outs[0].token_ids and ps.store.stats.stored_tokens == 0
     assert ps.pending_tokens == aligned
     engine.step()
@@ -537,6 +534,37 @@ def test_repeated_budgeted_request_loads_scores_of_its_stored_prefix_only(
     want = ref.engine.runner.budget.states[seq_ref.seq_id].positions.cpu()
     assert torch.equal(kept.sort(-1).values, want.sort(-1).values)
     assert finish(llm, rid) == finish(ref, rid_ref) == first.token_ids
+    llm.engine.close()
+
+
+@pytest.mark.parametrize("policy", ["h2o", "keyformer"])
+def test_a_prompt_crossing_its_score_boundary_runs_in_one_step_with_the_boundary_scores_apart(
+    stories_path: str, tmp_path: Path, policy: str
+) -> None:
+    """A budgeted prompt past its last chunk boundary runs in one step (the boundary used to
+    cost a forward of its own before the first token): its two sides attend as two rows, whose
+    sum is the scores the same prompt gets without a store, and whose first side -- what is
+    stored with the prefix -- is the scores of the prompt cut at the boundary (causal: the
+    queries before it see nothing after it). Keyformer's noise must be drawn at each side's own
+    positions for both to hold. (A budget above the prompt: no eviction, every score compared.)"""
+    llm = make(stories_path, tmp_path)
+    ps = llm.engine.prefix_store
+    ids = llm.engine.encode_prompt(STORY)
+    aligned = len(ids) - len(ids) % BLOCK
+    assert 0 < aligned < len(ids)
+    params = greedy(4, kv_policy=policy, kv_budget=1000, seed=3)
+    rid, seq = first_step(llm, ids, params, whole_prompt=False)
+    assert seq.num_computed_tokens == len(ids)  # the whole prompt in its first step
+    [pending] = ps._pending  # copied out for the store: scores as of the boundary
+    split = llm.engine.runner.budget.states[seq.seq_id].scores.cpu()
+    want = []
+    for prompt in (ids, ids[:aligned]):  # each alone in an engine without a store
+        ref = make(stories_path)
+        _, alone = first_step(ref, prompt, params, whole_prompt=False)
+        want.append(ref.engine.runner.budget.states[alone.seq_id].scores.cpu())
+    torch.testing.assert_close(split, want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pending.scores, want[1], rtol=1e-5, atol=1e-5)
+    assert pending.scores.shape[-1] == aligned
     llm.engine.close()
 
 

@@ -65,6 +65,7 @@ class FakeEngine:
         self.plans: list[StepPlan] = []
         # Per step: (seq, start, num_new_tokens) as scheduled (``item.start`` moves on after).
         self.history: list[list[tuple[Sequence, int, int]]] = []
+        self.splits: list[dict[int, int]] = []  # per step: seq_id -> its score split (0: none)
         self.clock = 0.0
 
     # ---------------------------------------------------------------- requests
@@ -86,6 +87,7 @@ class FakeEngine:
         self.check_plan(plan, running_before)
         self.plans.append(plan)
         self.history.append([(i.seq, i.start, i.num_new_tokens) for i in plan.scheduled])
+        self.splits.append({i.seq.seq_id: i.score_split for i in plan.scheduled})
         for src, dst in plan.blocks_to_copy:
             self.kv[dst] = list(self.kv[src])
         completing = [item for item in plan.scheduled if item.completes]
@@ -522,8 +524,8 @@ def test_many_concurrent_requests_tiny_pool_preempts_and_matches_solo() -> None:
 
 
 class _Boundaries:
-    """A prefix loader that only names step boundaries (the prefix store's ``score_boundary``:
-    a prompt scored by attention stops a step at its last whole chunk)."""
+    """A prefix loader that only names score boundaries (the prefix store's ``score_boundary``:
+    a prompt scored by attention keeps its scores apart at its last whole chunk)."""
 
     def __init__(self, at: dict[int, int]) -> None:
         self.at = at  # seq_id -> boundary
@@ -535,11 +537,12 @@ class _Boundaries:
         return cached
 
 
-def test_a_step_stops_at_a_score_boundary_and_goes_on_after_it() -> None:
-    """Prefill steps never cross a boundary the prefix loader names (they end on it), whether
-    the prompt starts waiting or is mid-way through chunked prefill; the outputs are the ones
-    without boundaries."""
-    def run(boundaries: bool) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+def test_a_step_crossing_a_score_boundary_is_marked_not_cut() -> None:
+    """A prefill step that crosses a boundary the prefix loader names is not cut there (no
+    extra forward before the first token): it carries the boundary as its score split, whether
+    the prompt starts waiting or is mid-way through chunked prefill; steps that do not cross
+    one carry none; the steps and outputs are the ones without boundaries."""
+    def run(boundaries: bool) -> tuple[list[list[int]], list[list[tuple[int, int, int]]]]:
         eng = FakeEngine(num_blocks=64, max_num_batched_tokens=12)
         a = eng.add([1, 2, 0] * 7, max_tokens=3)[0]  # 21 tokens: boundary 16
         b = eng.add([2, 1] * 5, max_tokens=3)[0]  # 10 tokens: boundary 8
@@ -550,11 +553,15 @@ def test_a_step_stops_at_a_score_boundary_and_goes_on_after_it() -> None:
             eng.step()
             for seq, start, n in eng.history[-1]:
                 if seq.seq_id in spans and start < seq.num_prompt_tokens:
-                    spans[seq.seq_id].append((start, start + n))
+                    spans[seq.seq_id].append((start, start + n, eng.splits[-1][seq.seq_id]))
         return [a.output_token_ids, b.output_token_ids], [spans[a.seq_id], spans[b.seq_id]]
 
-    plain_out, _ = run(False)
+    plain_out, (plain_a, plain_b) = run(False)
     out, (spans_a, spans_b) = run(True)
     assert out == plain_out
-    assert all(not (s < 16 < e) for s, e in spans_a) and any(e == 16 for _, e in spans_a)
-    assert all(not (s < 8 < e) for s, e in spans_b) and any(e == 8 for _, e in spans_b)
+    assert [(s, e) for s, e, _ in spans_a] == [(s, e) for s, e, _ in plain_a]  # no step cut
+    assert [(s, e) for s, e, _ in spans_b] == [(s, e) for s, e, _ in plain_b]
+    assert all(split == 0 for *_, split in plain_a + plain_b)
+    for spans, at in ((spans_a, 16), (spans_b, 8)):
+        assert any(s < at < e for s, e, _ in spans)  # this workload crosses both boundaries
+        assert all(split == (at if s < at < e else 0) for s, e, split in spans)

@@ -26,6 +26,9 @@ class ScheduledSeq:
     num_new_tokens: int  # real tokens this step; K/V of tokens [computed, computed + n)
     num_lookahead: int = 0  # slots reserved for speculative draft tokens after them
     draft_token_ids: list[int] = field(default_factory=list)  # filled by the drafter
+    # A score boundary (the prefix store's, ``Scheduler._score_boundary``) inside this step's
+    # tokens: the scores of the queries before it are kept apart (0: none)
+    score_split: int = 0
 
     @property
     def num_query_tokens(self) -> int:
@@ -91,14 +94,15 @@ def _hold_back_last(seq: Sequence, n: int, uncomputed: int) -> int:
     return n
 
 
-def _stop_at_boundary(seq: Sequence, n: int, boundary: int | None) -> int:
-    """A step's token count for ``seq``, cut so the step ends at ``boundary`` when it would
-    cross it (the prefix store's chunk boundary of a prompt scored by attention: the scores
-    of the queries before it are the ones stored with the prefix)."""
+def _split_at(seq: Sequence, n: int, boundary: int | None) -> int:
+    """The score boundary inside a step of ``n`` tokens of ``seq``, or 0 when the step does not
+    cross one (the prefix store's chunk boundary of a prompt scored by attention: the scores of
+    the queries before it are the ones stored with the prefix). The step is not cut there:
+    attention runs the two sides as two rows of one forward (``SlotPlanner``), whose scores
+    before the boundary are kept apart, so a prompt ending past a boundary costs no extra
+    forward (one more step before the first token on every prefix-store hit, else)."""
     done = seq.num_computed_tokens
-    if boundary is not None and done < boundary < done + n:
-        return boundary - done
-    return n
+    return boundary if boundary is not None and done < boundary < done + n else 0
 
 
 def _seats(seq: Sequence) -> int:
@@ -157,7 +161,6 @@ class Scheduler:
             if n < uncomputed and self._wait_for_whole(uncomputed, n):
                 break
             n = _hold_back_last(seq, n, uncomputed)
-            n = _stop_at_boundary(seq, n, self._score_boundary(seq))
             if n <= 0:
                 i += 1
                 continue
@@ -168,7 +171,8 @@ class Scheduler:
                 if copies is not None:
                     if copies:
                         plan.blocks_to_copy += copies
-                    scheduled.append(ScheduledSeq(seq, n, ahead if ahead > 0 else 0))
+                    scheduled.append(ScheduledSeq(seq, n, ahead if ahead > 0 else 0,
+                                                  score_split=_split_at(seq, n, self._score_boundary(seq))))
                     budget -= n + max(ahead, 0)
                     i += 1
                     break
@@ -205,7 +209,6 @@ class Scheduler:
             n = min(uncomputed, budget)
             waits = self._wait_for_whole(uncomputed, n)
             n = _hold_back_last(seq, n, uncomputed)
-            n = _stop_at_boundary(seq, n, self._score_boundary(seq))
             copies = None if waits else bm.allocate_slots(seq, n, cached)
             if copies is None:
                 if self.prefix_loader is not None:
@@ -215,7 +218,8 @@ class Scheduler:
             plan.blocks_to_copy += copies
             self.waiting.popleft()
             self.add_running(seq)
-            scheduled.append(ScheduledSeq(seq, n))
+            # (after the allocation: a cached prefix it attached counts as computed)
+            scheduled.append(ScheduledSeq(seq, n, score_split=_split_at(seq, n, self._score_boundary(seq))))
             budget -= n
             seats += group
         return budget

@@ -140,10 +140,12 @@ class EnginePrefixStore:
         self._defer(seq.token_ids[:computed], list(seq.block_table), None)
 
     def score_boundary(self, seq: Sequence) -> int | None:
-        """Where a prompt scored by attention stops a step (``Scheduler``): the end of its last
-        whole chunk, the length it is stored at. The scores stored with a prefix must hold the
-        attention of the queries before that end only: a request that loads the prefix computes
-        the rest itself and adds its own (the stored prompt's tail counted again, else)."""
+        """Where a prompt scored by attention has its scores kept apart (``Scheduler``): the end
+        of its last whole chunk, the length it is stored at. The scores stored with a prefix
+        must hold the attention of the queries before that end only: a request that loads the
+        prefix computes the rest itself and adds its own (the stored prompt's tail counted
+        again, else). A step crossing it runs the two sides as two attention rows
+        (``StepItem.score_split``), so the boundary costs no forward of its own."""
         kv_budget = seq.kv_budget
         if kv_budget is None or not kv_budget.by_score or kv_budget.last_query_only:
             return None
@@ -153,17 +155,24 @@ class EnginePrefixStore:
         return end if self.store.chunk <= end < seq.num_tokens else None
 
     def on_computed(self, seq: Sequence) -> None:
-        """A step was committed: keep the scores of a prompt whose computed part just reached
-        its ``score_boundary`` (before the rest of the prompt adds its queries' attention)."""
+        """A step was committed: keep the scores of a prompt as of its ``score_boundary`` (before
+        the rest of the prompt adds its queries' attention), when the step crossed it (the
+        runner kept them apart) or ended on it."""
+        budget = self.runner.budget  # type: ignore[attr-defined]
+        crossed = budget.boundary_scores.pop(seq.seq_id, None)  # [L, H, boundary]
         end = self.score_boundary(seq)
-        if end is None or seq.num_computed_tokens != end:
+        state = budget.get(seq)
+        if end is None or state is None:
             return
-        state = self.runner.budget.get(seq)  # type: ignore[attr-defined]
-        if state is None or state.num_slots != end:
+        if crossed is not None and crossed.shape[-1] == end:
+            scores = crossed
+        elif seq.num_computed_tokens == end and state.num_slots == end:
+            scores = state.scores[..., :end]
+        else:
             return
         if not bool((state.positions[..., :end] == torch.arange(end, device=state.device)).all()):
             return
-        self._boundary_scores[seq.seq_id] = state.scores[..., :end].float().cpu().clone()
+        self._boundary_scores[seq.seq_id] = scores.float().cpu().clone()
 
     def on_prompt_computed(self, seq: Sequence) -> None:
         """A budgeted prompt is computed (or its sequence ends first) and not yet compacted:

@@ -64,6 +64,11 @@ class StepItem:
     # The drafts were copied by prompt lookup (core/prompt_lookup.py), not drawn from the draft
     # model: adaptive K learns the model's acceptance from the others only.
     draft_copied: bool = False
+    # A budgeted prompt chunk crossing the prefix store's score boundary: its first
+    # ``score_split`` query tokens attend as one row and the rest as another, so the scores of
+    # the queries before the boundary come back apart (``KVBudgetTracker.boundary_scores``).
+    # 0: one row.
+    score_split: int = 0
 
     def __reduce__(self) -> tuple:
         """Pickled as the constructor's arguments: half the bytes and half the unpickling time

@@ -122,9 +122,10 @@ class SlotPlanner:
             rows.truncate(marks[0])
             del self.score_rows[marks[1]:], self._deferred[marks[2]:]
             raise
-        if mode == "gumbel":  # one row per verified position, else one row from ``start``
+        if mode == "gumbel":  # one row per verified position, else one row per side of a split
             for i, row in enumerate(range(marks[0], len(rows))):
-                self._noise.append((is_decode, row, item.seq_id, item.start + (i if verifies else 0)))
+                first = i if verifies else (item.score_split if i else 0)
+                self._noise.append((is_decode, row, item.seq_id, item.start + first))
         if mode is not None:
             self.modes.add(mode)
         if slots.dim() == 2:
@@ -140,7 +141,8 @@ class SlotPlanner:
             state = tracker.start(item, item.budget)  # type: ignore[attr-defined]
         mode = tracker.score_mode(item)  # type: ignore[attr-defined]
         decoding = not tracker.due_for_compaction(item)  # type: ignore[attr-defined]
-        self.score_rows.append((item, is_decode, len(rows), n if verifies else 1))
+        split = item.score_split if 0 < item.score_split < n and not (verifies or is_decode) else 0
+        self.score_rows.append((item, is_decode, len(rows), n if verifies else (2 if split else 1)))
         if verifies:
             if not decoding:
                 raise RuntimeError("speculative verification of a budgeted prompt")
@@ -152,9 +154,13 @@ class SlotPlanner:
         elif not decoding or item.spare:
             # Prompt phase, or the draft's speculative tokens: fresh slots, no eviction.
             logical = state.append(n)  # [n], or [L, n] while its layers hold different counts
-            rows.add(table, state.num_slots, n, mode, self._tau(item, state, decoding))
-            if state.layer_held is not None:
-                rows.layer_context_lens[len(rows) - 1] = state.layer_held.tolist()
+            # A split chunk attends as two rows, the queries before the boundary over the slots
+            # up to it: the same attention, and their scores come back apart.
+            sides = ((n - split, split), (0, n - split)) if split else ((0, n),)
+            for behind, count in sides:
+                rows.add(table, state.num_slots - behind, count, mode, self._tau(item, state, decoding))
+                if state.layer_held is not None:
+                    rows.layer_context_lens[len(rows) - 1] = (state.layer_held - behind).tolist()
         else:
             if n != 1:
                 raise RuntimeError("a compacted sequence can only decode one token per step")

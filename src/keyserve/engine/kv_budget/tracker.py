@@ -45,6 +45,9 @@ class KVBudgetTracker:
         # stream of its own, seeded from torch's initial seed without drawing from the global
         # generator, so every tensor-parallel rank draws the same seeds.
         self.noise_generator = torch.Generator().manual_seed(torch.initial_seed() ^ 0x4B657946)
+        # seq_id -> its scores [L, H, boundary] as of a prompt chunk's score boundary (the
+        # queries before it only: ``StepItem.score_split``), until the prefix store takes them
+        self.boundary_scores: dict[int, torch.Tensor] = {}
 
     def start(self, seq: HasSeqId, kv_budget: KVBudget) -> KVBudgetState:
         """A fresh prompt phase (new request, or recomputation after preemption)."""
@@ -69,6 +72,7 @@ class KVBudgetTracker:
         self.states.pop(seq_id, None)
         self.compacted.discard(seq_id)
         self.pending.pop(seq_id, None)
+        self.boundary_scores.pop(seq_id, None)
 
     def get(self, seq: HasSeqId) -> KVBudgetState | None:
         return self.states.get(seq.seq_id)
@@ -115,14 +119,30 @@ class KVBudgetTracker:
         for item, is_dec, first, count in score_rows:
             rows = (dec if is_dec else pre)[first : first + count]  # type: ignore[index]
             try:
-                if count > 1:
+                if item.verifies and count > 1:
                     self.hold_rows(item, rows)  # [K + 1, L, H, max_ctx]
+                elif count == 2:  # a prompt chunk split at its score boundary
+                    self.accumulate_split(item, rows[0], rows[1])
                 else:
                     self.accumulate(item, rows[0])
             except Exception as e:  # noqa: BLE001 — this sequence's budget state; fails it alone
                 if failed is None:
                     raise
                 failed[item.seq_id] = describe_failure("KV budget scores", e)
+
+    def accumulate_split(
+        self,
+        item: StepItem,
+        before: torch.Tensor,  # [num_layers, num_kv_heads, >= num_slots] the queries before the boundary
+        after: torch.Tensor,  # [num_layers, num_kv_heads, >= num_slots] the queries from it on
+    ) -> None:
+        """Add a split prompt chunk's scores, keeping the sequence's scores as they stood once
+        the queries before the boundary had added theirs (``boundary_scores``)."""
+        state = self.states[item.seq_id]
+        state.accumulate(before)
+        boundary = item.start + item.score_split
+        self.boundary_scores[item.seq_id] = state.scores[..., :boundary].clone()
+        state.accumulate(after)
 
     def expect_rows(self, seq: HasSeqId, first_position: int) -> None:
         """A verification forward of ``seq`` starts at ``first_position`` (in spare slots)."""
