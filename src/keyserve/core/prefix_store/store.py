@@ -206,7 +206,10 @@ class PrefixStore:
                     slots = [self.index[tier].slot((node.node_id, layer, cid)) for cid in cids]
                     got = self.data[tier].read(layer, slots)
                     nbytes = len(rows) * self.chunk_bytes
-                buf[rows] = got.to("cpu")
+                if len(rows) == len(ids_list):  # one tier holds every chunk: no copy
+                    buf = got.to("cpu", buf.dtype).contiguous()
+                else:
+                    buf.index_copy_(0, torch.tensor(rows), got.to("cpu", buf.dtype))
                 if access:
                     setattr(self.stats, f"{tier}_hits", getattr(self.stats, f"{tier}_hits") + len(rows))
                     setattr(self.stats, f"{tier}_bytes_read", getattr(self.stats, f"{tier}_bytes_read") + nbytes)
@@ -216,13 +219,14 @@ class PrefixStore:
                 self._unsettled.append((node, nd, layer, ids_list, buf))
             elif access:
                 self._access(node, layer, ids_list, buf)
-            # buf as rows [chunks * (K, V) * chunk, H, D]: gather K and V straight from it (no
-            # permuted copy of the whole buffer first)
-            flat = buf.view(-1, H, D)
+            # buf as rows [chunks * (K, V) * chunk, H * D]: gather each wanted token's K and V
+            # rows, interleaved, straight into out's [n, 2, H, D] (one index_select: no
+            # permuted copy of the whole buffer first; advanced indexing was ~6x slower)
+            flat = buf.view(-1, H * D)
             k_rows = inv * (2 * self.chunk) + rows_wanted % self.chunk
             n = rows_wanted.numel()
-            out[layer, base : base + n, 0] = flat[k_rows]
-            out[layer, base : base + n, 1] = flat[k_rows + self.chunk]
+            kv_rows = torch.stack([k_rows, k_rows + self.chunk], dim=1).view(-1)
+            torch.index_select(flat, 0, kv_rows, out=out[layer, base : base + n].view(2 * n, H * D))
         return out
 
     def _access(
