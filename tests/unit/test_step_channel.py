@@ -332,7 +332,7 @@ def test_a_step_item_crosses_a_channel_whole() -> None:
     item = StepItem(3, [1, 2], 5, [0, 1], num_lookahead=2, draft_token_ids=[7], draft_row=1,
                     sample_seq_ids=[3, 4], forced_token_id=9, return_logits=1, budget=KVBudget(KVPolicy.H2O, 8),
                     spare=True, num_output_tokens=4, decode_rows=True, prompt_logprob_rows=2, next_prompt_token=6,
-                    draft_parents=[0], draft_copied=True)
+                    draft_parents=[0], draft_copied=True, score_split=1)
     assert all(getattr(item, f) != getattr(defaults, f) for f in vars(defaults))
     step = StepInput([item], 1, step=7)
     back = pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
