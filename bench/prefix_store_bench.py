@@ -269,10 +269,10 @@ def render(data: dict[str, Any]) -> str:
             f"returns attention scores and is slower), IMPRESS's TTFT is {h2o['ttft_mean'] / imp['ttft_mean']:.2f}× "
             f"lower over all requests and {h2o['ttft_repeat_mean'] / imp['ttft_repeat_mean']:.2f}× on repeat "
             f"questions; the first question of every document pays that slower prefill in all H2O configurations.")
-    if imp and lru and lru.get("repeat_load_s") is not None and imp.get("repeat_load_s") is not None:
-        def rest(r: dict[str, Any]) -> float:  # a store hit's TTFT after its load
-            return r["ttft_repeat_mean"] - r["repeat_load_s"]
+    def rest(r: dict[str, Any]) -> float:  # a store hit's TTFT after its load
+        return r["ttft_repeat_mean"] - r["repeat_load_s"]
 
+    if imp and lru and lru.get("repeat_load_s") is not None and imp.get("repeat_load_s") is not None:
         def parts(r: dict[str, Any]) -> str:
             return (f"{r['ttft_repeat_mean'] * 1e3:.0f} ms = load {r['repeat_load_s'] * 1e3:.0f} (disk reads "
                     f"{r['repeat_disk_read_s'] * 1e3:.0f}) + the rest {rest(r) * 1e3:.0f}")
@@ -290,8 +290,7 @@ def render(data: dict[str, Any]) -> str:
                "H2O's selection run over more)." if rest_i > rest_l else "."))
     full = s.get("impress_all")
     if lru and full and lru.get("repeat_load_s") is not None and full.get("repeat_load_s") is not None:
-        rest_l = lru["ttft_repeat_mean"] - lru["repeat_load_s"]
-        rest_f = full["ttft_repeat_mean"] - full["repeat_load_s"]
+        rest_f = rest(full)
         reading.append(
             f"The same bound for impress_all: a load that cost nothing at all would make lru_h2o / impress_all = "
             f"{lru['ttft_repeat_mean'] / rest_f:.2f}× ({lru['ttft_repeat_mean'] * 1e3:.0f} ms against the "

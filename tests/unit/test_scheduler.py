@@ -564,4 +564,4 @@ def test_a_step_crossing_a_score_boundary_is_marked_not_cut() -> None:
     assert all(split == 0 for *_, split in plain_a + plain_b)
     for spans, at in ((spans_a, 16), (spans_b, 8)):
         assert any(s < at < e for s, e, _ in spans)  # this workload crosses both boundaries
-        assert all(split == (at if s < at < e else 0) for s, e, split in spans)
+        assert all(split == (at - s if s < at < e else 0) for s, e, split in spans)

@@ -27,7 +27,8 @@ class ScheduledSeq:
     num_lookahead: int = 0  # slots reserved for speculative draft tokens after them
     draft_token_ids: list[int] = field(default_factory=list)  # filled by the drafter
     # A score boundary (the prefix store's, ``Scheduler._score_boundary``) inside this step's
-    # tokens: the scores of the queries before it are kept apart (0: none)
+    # tokens, as the count of them before it: their scores are kept apart (0: none;
+    # ``StepItem.score_split``)
     score_split: int = 0
 
     @property
@@ -95,14 +96,14 @@ def _hold_back_last(seq: Sequence, n: int, uncomputed: int) -> int:
 
 
 def _split_at(seq: Sequence, n: int, boundary: int | None) -> int:
-    """The score boundary inside a step of ``n`` tokens of ``seq``, or 0 when the step does not
-    cross one (the prefix store's chunk boundary of a prompt scored by attention: the scores of
+    """How many of a step's ``n`` tokens of ``seq`` lie before a score boundary it crosses, or 0
+    when it crosses none (the prefix store's chunk boundary of a prompt scored by attention: the scores of
     the queries before it are the ones stored with the prefix). The step is not cut there:
     attention runs the two sides as two rows of one forward (``SlotPlanner``), whose scores
     before the boundary are kept apart, so a prompt ending past a boundary costs no extra
     forward (one more step before the first token on every prefix-store hit, else)."""
     done = seq.num_computed_tokens
-    return boundary if boundary is not None and done < boundary < done + n else 0
+    return boundary - done if boundary is not None and done < boundary < done + n else 0
 
 
 def _seats(seq: Sequence) -> int:

@@ -356,6 +356,6 @@ def _item(scheduled: ScheduledSeq, **fields: object) -> StepItem:
         draft_token_ids=list(scheduled.draft_token_ids),
         num_output_tokens=len(seq.output_token_ids),
         budget=seq.kv_budget,
-        score_split=scheduled.score_split - start if scheduled.score_split else 0,
+        score_split=scheduled.score_split,
         **fields,  # type: ignore[arg-type]
     )
