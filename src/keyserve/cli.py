@@ -188,7 +188,13 @@ def _add_distill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-rounds", type=int, default=1,
                    help="answers per prompt: rounds after the first all sample at --temperature")
     p.add_argument("--init-from", default=None,
-                   help="another run's checkpoint.pt: train from its best weights (same layers and vocabulary)")
+                   help="another run's checkpoint.pt, or an exported draft directory: train from its (best) "
+                        "weights (same layers and vocabulary)")
+    p.add_argument("--generator", choices=["dense", "engine"], default="dense",
+                   help="who answers the prompts: the float32 dense loop (top-k up to any size) or keyserve's "
+                        "engine (~4-6x faster on a CPU; at most 20 alternatives per token: --teacher-top-k 20)")
+    p.add_argument("--gen-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="the engine's dtype with --generator engine")
     p.add_argument("--keep", choices=["best", "last"], default="best",
                    help="export the best held-out evaluation's weights or the last step's (after --init-from "
                         "the held-out answers may hold ones the other run trained on, which favours early steps)")

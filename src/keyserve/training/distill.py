@@ -21,12 +21,16 @@ from typing import Any
 
 import torch
 
-from keyserve.model.draft_model import DraftMeta, embedding_checksum, tokenizer_fingerprint
+from keyserve.config import EngineConfig
+from keyserve.core.sampling_params import MAX_TOP_LOGPROBS
+from keyserve.engine.llm_engine import LLMEngine
+from keyserve.model.draft_model import DRAFT_META_FILE, DraftMeta, embedding_checksum, tokenizer_fingerprint
 from keyserve.model.loader import LoadedModel, load_model
 from keyserve.model.paths import DEFAULT_MODEL_NAME
 from keyserve.training.corpus import record_corpus
 from keyserve.training.dense import DenseLlama
-from keyserve.training.export import export_draft
+from keyserve.training.engine_answers import engine_answers
+from keyserve.training.export import export_draft, import_draft
 from keyserve.training.generate import GenerationJob, generate_answers
 from keyserve.training.prompts import build_prompts, story_prompts
 from keyserve.training.records import Answer, TeacherData, load_parts
@@ -68,6 +72,8 @@ class DistillOptions:
     answer_rounds: int = 1  # answers per prompt: rounds after the first sample at `temperature`
     init_from: str | None = None  # another run's checkpoint.pt: start from its best weights
     keep: str = "best"  # export the best held-out evaluation's weights, or the "last" step's
+    generator: str = "dense"  # answers by the float32 dense loop ("dense") or keyserve's engine
+    gen_dtype: str = "bfloat16"  # the engine's dtype with generator "engine"
 
     def __post_init__(self) -> None:
         """Every option in range, and ``out`` a directory path: a ValueError naming the
@@ -97,10 +103,18 @@ class DistillOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number, not {value}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"--temperature must be a number >= 0, not {self.temperature}")
+        if self.generator not in ("dense", "engine"):
+            raise ValueError(f"--generator must be dense or engine, not {self.generator!r}")
+        if self.gen_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"--gen-dtype must be bfloat16 or float32, not {self.gen_dtype!r}")
+        if self.generator == "engine" and self.teacher_top_k > MAX_TOP_LOGPROBS:
+            raise ValueError(f"--generator engine records at most {MAX_TOP_LOGPROBS} alternatives per token "
+                             f"(its top_logprobs): pass --teacher-top-k {MAX_TOP_LOGPROBS} or less")
         if self.keep not in ("best", "last"):
             raise ValueError(f"--keep must be best or last, not {self.keep!r}")
-        if self.init_from is not None and not Path(self.init_from).is_file():
-            raise ValueError(f"--init-from {self.init_from} is not a file (a run's checkpoint.pt)")
+        if self.init_from is not None and not (Path(self.init_from).is_file()
+                                               or (Path(self.init_from) / DRAFT_META_FILE).is_file()):
+            raise ValueError(f"--init-from {self.init_from} is neither a run's checkpoint.pt nor a draft directory")
         if self.init_layers is not None:
             if not all(x.strip().isdigit() for x in self.init_layers.split(",")):
                 raise ValueError(f"--init-layers must be comma-separated layer numbers, not {self.init_layers!r}")
@@ -185,11 +199,21 @@ def _generate(
             slots=opts.gen_slots,
             seed=opts.seed + len(done) + round_ * 1_000_003,
         )
-        generate_answers(teacher, job, deadline, save, tuner=ThreadTuner(opts.threads))
+        if opts.generator == "engine":
+            engine_answers(_answer_engine(target, opts), job, deadline, save)
+        else:
+            generate_answers(teacher, job, deadline, save, tuner=ThreadTuner(opts.threads))
     data = load_parts(data_dir)
     if data is None or data.num_tokens == 0:
         raise RuntimeError("the target produced no answers within the time budget")
     return data
+
+
+def _answer_engine(target: LoadedModel, opts: DistillOptions) -> LLMEngine:
+    """keyserve's engine on the target, ``gen_slots`` sequences at once, for ``engine_answers``."""
+    config = EngineConfig.from_flat(model=str(target.path), dtype=opts.gen_dtype, max_num_seqs=opts.gen_slots,
+                                    kv_cache_memory_gb=2.0, seed=opts.seed)
+    return LLMEngine(config)
 
 
 def _part_saver(data_dir: Path, top_k: int) -> Callable[[list[Answer]], None]:
@@ -332,6 +356,9 @@ def distill_draft(opts: DistillOptions) -> Path:
 
 
 def _load_checkpoint(path: Path) -> dict:
+    """A run's ``checkpoint.pt``, or an exported draft directory read back into one's shape."""
+    if path.is_dir():
+        return import_draft(path)
     return torch.load(path, map_location="cpu", weights_only=True)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from keyserve.model.config import ModelConfig
 from keyserve.model.draft_model import DRAFT_META_FILE, DraftMeta
@@ -62,6 +62,32 @@ def draft_tensors(model: DenseLlama, dtype: torch.dtype) -> dict[str, torch.Tens
     out["model.norm.weight"] = model.norm.weight.detach()
     out["lm_head.weight"] = model.head.detach()
     return {name: t.to(dtype).contiguous() for name, t in out.items()}
+
+
+def import_draft(directory: Path) -> dict[str, Any]:
+    """An exported draft read back in the shape of a run's ``checkpoint.pt`` (``identity`` with
+    its layers and head ids, ``best.weights`` under ``DenseLlama``'s parameter names, float32), so
+    ``distill-draft --init-from DIR`` trains on from a committed draft whose run directory is gone.
+    The inverse of ``draft_tensors``: q/k/v and gate/up are fused again."""
+    meta = json.loads((directory / DRAFT_META_FILE).read_text(encoding="utf-8"))
+    layers = (meta.get("training") or {}).get("init_layers")
+    if layers is None:
+        raise ValueError(f"{directory}: its {DRAFT_META_FILE} does not record which target layers it started from")
+    raw = {name: t.float() for name, t in load_file(str(directory / WEIGHTS_FILE)).items()}
+    weights: dict[str, torch.Tensor] = {}
+    for i in range(len(layers)):
+        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        q = f"layers.{i}."
+        weights[q + "qkv"] = torch.cat([raw[a + "q_proj.weight"], raw[a + "k_proj.weight"], raw[a + "v_proj.weight"]])
+        weights[q + "o"] = raw[a + "o_proj.weight"]
+        weights[q + "gate_up"] = torch.cat([raw[m + "gate_proj.weight"], raw[m + "up_proj.weight"]])
+        weights[q + "down"] = raw[m + "down_proj.weight"]
+        weights[q + "input_layernorm.weight"] = raw[p + "input_layernorm.weight"]
+        weights[q + "post_attention_layernorm.weight"] = raw[p + "post_attention_layernorm.weight"]
+    weights["norm.weight"] = raw["model.norm.weight"]
+    weights["head"] = raw["lm_head.weight"]
+    identity = {"layers": list(layers), "head_ids": list(meta["lm_head_token_ids"])}
+    return {"identity": identity, "best": {"weights": weights}, "weights": weights}
 
 
 def _write_atomic(path: Path, write: Any) -> None:
