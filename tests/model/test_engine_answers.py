@@ -20,7 +20,8 @@ from keyserve.engine.llm_engine import LLMEngine
 from keyserve.model.draft_model import DRAFT_META_FILE
 from keyserve.model.loader import LoadedModel, load_model
 from keyserve.training.distill import DistillOptions
-from keyserve.training.engine_answers import engine_answers
+from keyserve.training import corpus
+from keyserve.training.engine_answers import engine_answers, engine_teacher_force
 from keyserve.training.export import draft_tensors, import_draft
 from keyserve.training.generate import GenerationJob
 from keyserve.training.records import Answer, load_parts
@@ -90,6 +91,25 @@ def test_engine_answers_past_the_deadline_record_nothing_and_leave_nothing(
     assert out == [] and not engine.has_unfinished_requests()
 
 
+def test_engine_teacher_forcing_equals_the_dense_forward(target: LoadedModel, engine: LLMEngine) -> None:
+    """Passages of different lengths through the engine's prefill (``prompt_logprobs``): each
+    passage position's top-k equals ``corpus.teacher_force`` over the dense model, the
+    independent causal forward the dense generator's corpus data comes from."""
+    tok = target.tokenizer
+    texts = ["Once upon a time there was a little dog.", "Tom had a big red ball and he liked it a lot.",
+             "The sun", "Lily saw a big tree in the park, and she ran to it with her mom."]
+    items = [(-1 - i, [tok.bos_token_id, *tok.encode("Hi.")], tok.encode(t)) for i, t in enumerate(texts)]
+    got = {a.prompt_index: a for a in engine_teacher_force(engine, items, 8)}
+    want = corpus.teacher_force(DenseLlama.from_serving(target.model), items, top_k=8)
+    assert sorted(got) == [-4, -3, -2, -1] and not engine.has_unfinished_requests()
+    for w in want:
+        g = got[w.prompt_index]
+        assert (g.prompt, g.tokens) == (w.prompt, w.tokens)
+        assert g.topk_ids.shape == (len(w.tokens), 8)
+        torch.testing.assert_close(g.topk_logprobs.float(), w.topk_logprobs.float(), atol=3e-3, rtol=1e-3)
+        assert torch.equal(g.topk_ids[:, 0], w.topk_ids[:, 0])
+
+
 def test_the_engine_records_at_most_twenty_alternatives(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--teacher-top-k 20"):
         DistillOptions(out=str(tmp_path), generator="engine")  # default top-k 32
@@ -120,9 +140,12 @@ def test_distill_with_the_engine_from_an_exported_draft(stories_path: str, tmp_p
     second = tmp_path / "second"
     assert cli_main(["distill-draft", "--target", stories_path, "--out", str(second), *TINY, "--steps", "1",
                      "--lr", "1e-9", "--generator", "engine", "--gen-dtype", "float32", "--teacher-top-k", "8",
-                     "--init-from", str(first)]) == 0
+                     "--init-from", str(first), "--corpus-tokens", "300", "--time-budget-min", "15"]) == 0
     data = load_parts(second / "data")
-    assert sorted(data.prompt_index.tolist()) == list(range(8))
+    indices = data.prompt_index.tolist()
+    assert sorted(i for i in indices if i >= 0) == list(range(8))
+    passages = [data.answer(j) for j, i in enumerate(indices) if i < 0]  # the engine's teacher-forced text
+    assert sum(len(a.tokens) for a in passages) >= 300
     assert data.topk_ids.shape[1] == 8
     a, b = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
     assert set(a) == set(b)

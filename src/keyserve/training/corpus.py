@@ -36,6 +36,7 @@ INSTRUCTIONS = (
     "How does this work?",
 )
 MIN_PASSAGE_CHARS = 200
+Item = tuple[int, list[int], list[int]]  # (prompt index, prompt ids, passage ids)
 
 
 def _pydoc_topics() -> Iterator[str]:
@@ -129,7 +130,7 @@ def chat_items(tokenizer, texts: list[str], max_tokens: int, seed: int) -> list[
 @torch.inference_mode()
 def teacher_force(
     teacher: DenseLlama,
-    items: list[tuple[int, list[int], list[int]]],  # (prompt index, prompt ids, passage ids)
+    items: list[Item],
     top_k: int,
     batch_tokens: int = 4096,
     logit_rows: int = 512,
@@ -167,7 +168,7 @@ def teacher_force(
 
 
 def record_corpus(
-    teacher: DenseLlama,
+    force: Callable[[list[Item], int], list[Answer]],
     tokenizer,  # noqa: ANN001
     done: set[int],
     on_save: Callable[[list[Answer]], None],
@@ -179,7 +180,9 @@ def record_corpus(
     save_every: int = 64,
 ) -> int:
     """Teacher-force passages not in ``done`` (their prompt indices) until ``max_tokens`` tokens
-    or ``deadline`` (``time.monotonic()``); parts go to ``on_save``. Returns tokens recorded."""
+    or ``deadline`` (``time.monotonic()``); parts go to ``on_save``. ``force(items, top_k)``
+    records a list of items: ``teacher_force`` over a dense model, or
+    ``engine_answers.engine_teacher_force`` over the serving engine. Returns tokens recorded."""
     texts = passages(seed=seed)
     items = chat_items(tokenizer, texts, passage_tokens, seed)
     todo = [(-1 - i, p, t) for i, (p, t) in enumerate(items) if -1 - i not in done]
@@ -189,7 +192,7 @@ def record_corpus(
         if recorded >= max_tokens or time.monotonic() > deadline:
             break
         chunk = todo[c : c + save_every]
-        answers = teacher_force(teacher, chunk, top_k)
+        answers = force(chunk, top_k)
         on_save(answers)
         n = sum(len(a.tokens) for a in answers)
         recorded += n

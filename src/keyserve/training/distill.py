@@ -27,9 +27,9 @@ from keyserve.engine.llm_engine import LLMEngine
 from keyserve.model.draft_model import DRAFT_META_FILE, DraftMeta, embedding_checksum, tokenizer_fingerprint
 from keyserve.model.loader import LoadedModel, load_model
 from keyserve.model.paths import DEFAULT_MODEL_NAME
-from keyserve.training.corpus import record_corpus
+from keyserve.training.corpus import record_corpus, teacher_force
 from keyserve.training.dense import DenseLlama
-from keyserve.training.engine_answers import engine_answers
+from keyserve.training.engine_answers import engine_answers, engine_teacher_force
 from keyserve.training.export import export_draft, import_draft
 from keyserve.training.generate import GenerationJob, generate_answers
 from keyserve.training.prompts import build_prompts, story_prompts
@@ -237,7 +237,12 @@ def _record_corpus(target: LoadedModel, teacher: DenseLlama, out: Path, opts: Di
     if already >= opts.corpus_tokens:
         return 0
     passages = {i for i in have.prompt_index.tolist() if i < 0}
-    return record_corpus(teacher, target.tokenizer, passages, _part_saver(out / "data", opts.teacher_top_k),
+    if opts.generator == "engine":
+        engine = _answer_engine(target, opts)
+        force = lambda items, k: engine_teacher_force(engine, items, k)  # noqa: E731
+    else:
+        force = lambda items, k: teacher_force(teacher, items, k)  # noqa: E731
+    return record_corpus(force, target.tokenizer, passages, _part_saver(out / "data", opts.teacher_top_k),
                          deadline, opts.corpus_tokens - already, opts.teacher_top_k, opts.seed)
 
 
