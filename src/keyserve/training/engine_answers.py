@@ -1,13 +1,13 @@
 """The target's answers by keyserve's own engine, with its top-k distribution before every token.
 
 ``generate.py`` decodes over a dense, contiguous KV cache in float32: exact, but on 2 CPU cores
-it makes ~170 tokens/s. The serving engine (paged KV, continuous batching, the native decode
-kernels) makes ~700 tokens/s in float32 and ~900-1100 in bfloat16 on the same cores, returning
-each token's raw (T = 1) top log-probabilities through the public ``top_logprobs`` option, so
-the distillation data costs a fraction of the time. What it gives up: at most
-``MAX_TOP_LOGPROBS`` (20) alternatives per position instead of 32, and in bfloat16 the
-distributions are the bfloat16 target's (greedy tokens agree with float32's at almost every
-position; ``python -m keyserve.training.acceptance`` judges the draft against float32).
+it makes ~200 tokens/s. The serving engine (paged KV, continuous batching, the native decode
+kernels) makes ~875 tokens/s in float32 and ~1000 in bfloat16 on the same cores
+(bench/distill_data_bench.py), returning each token's raw (T = 1) top log-probabilities through
+the public ``top_logprobs`` option, so the distillation data costs a fraction of the time. What
+it gives up: at most ``MAX_TOP_LOGPROBS`` (20) alternatives per position instead of 32, and in
+bfloat16 the distributions are the bfloat16 target's (their top-1 is float32's at ~97 % of
+positions; ``python -m keyserve.training.acceptance`` judges the draft against float32).
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ def engine_teacher_force(
 ) -> list[Answer]:
     """The target's top-k before every passage token, as ``corpus.teacher_force`` records them,
     from the engine's prefill: each item runs as one prompt (its ids, then the passage's) with
-    ``prompt_logprobs``, so a passage costs prefill rows (~1500 tokens/s in bfloat16 on the Zen 5
-    against the dense float32 forward's ~500), not one decode step per token."""
+    ``prompt_logprobs``, so a passage costs prefill rows (~1200 tokens/s in bfloat16 on the Zen 5
+    against ~480 in float32), not one decode step per token."""
     if not 1 <= top_k <= MAX_TOP_LOGPROBS:
         raise ValueError(f"the engine records 1 to {MAX_TOP_LOGPROBS} alternatives per token, not {top_k}")
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k)
