@@ -432,7 +432,7 @@ def step_cost(args: argparse.Namespace) -> tuple[list[StepCost], dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     start, load_before = time.perf_counter(), _load_avg()
-    llm = LLM(draft="default", num_speculative_tokens=max(args.ks), max_num_seqs=max(args.batches))
+    llm = LLM(draft=args.draft, num_speculative_tokens=max(args.ks), max_num_seqs=max(args.batches))
     llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0.0), chat=True)  # warm-up
     clock = StepClock(llm.engine)
     steps: dict[tuple[int, int], list[dict[str, float]]] = {}
@@ -681,7 +681,7 @@ def render(rows: list[Row], meta: dict) -> str:
         f"decoding, so that much of the lead is plain decoding, not speculation." if plain_ratio else "")
     acc = [m.acceptance for m in ours if m.acceptance is not None and not m.first.adaptive]
     return "\n".join([
-        f"SmolLM2-135M-Instruct target, draft `drafts/SmolLM2-135M-Instruct-draft` (2 layers, pruned "
+        f"SmolLM2-135M-Instruct target, draft `{meta.get('draft', 'drafts/SmolLM2-135M-Instruct-draft')}` (2 layers, pruned "
         f"8192-token head, {meta['draft_params_m']:.1f} M parameters read per token against the "
         f"target's {meta['target_params_m']:.1f} M); float32; {meta['num_prompts']} chat prompts × "
         f"{meta['max_tokens']} generated tokens per configuration (EOS ignored); "
@@ -805,6 +805,9 @@ def main() -> None:
                     help="also every in-process chain row (fixed and adaptive K) speculating by prompt lookup "
                          "alone, no draft model (draft='ngram'), n-grams up to each of these")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--draft", default="default",
+                    help="the draft model: the committed one ('default') or a draft directory (e.g. an earlier "
+                         "version checked out from git, to measure two drafts one after the other)")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers rows")
     ap.add_argument("--ray", action="store_true",
                     help="also the Ray engine (TP = 1, draft actor) at batch 1 against its own plain decoding")
@@ -833,6 +836,8 @@ def main() -> None:
     else:
         rows, meta = measure(args)
         meta["command"] = command_line()
+        if args.draft != "default":
+            meta["draft"] = args.draft
         meta["plot"] = "bench_spec.png" if args.section == "speculative" else f"bench_{args.section}.png"
         if not args.no_write:  # a smoke run leaves the committed results alone
             args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "meta": meta}, indent=1))
@@ -882,7 +887,7 @@ def ray_engines(args: argparse.Namespace) -> dict:
     opts = dict(tensor_parallel_size=1, enable_prefix_caching=False, max_num_seqs=max(args.batches),
                 graph_idle_release_s=RAY_IDLE_RELEASE_S)
     return {"plain": RayLLM(**opts),
-            "draft": RayLLM(draft="default", num_speculative_tokens=max(args.ks), **opts)}
+            "draft": RayLLM(draft=args.draft, num_speculative_tokens=max(args.ks), **opts)}
 
 
 def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
@@ -896,11 +901,11 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     start, load_before = time.perf_counter(), _load_avg()
-    llm = LLM(draft="default", num_speculative_tokens=max(args.ks), max_num_seqs=max(args.batches))
+    llm = LLM(draft=args.draft, num_speculative_tokens=max(args.ks), max_num_seqs=max(args.batches))
     tok = llm.tokenizer
     path = str(llm.engine.loaded.path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    draft = draft_for_transformers("default", hf)
+    draft = draft_for_transformers(args.draft, hf)
     counters = (ForwardCounter(hf), ForwardCounter(draft))
     draft_params = sum(p.numel() for n, p in draft.named_parameters() if "embed" not in n)
     target_params = sum(p.numel() for p in hf.parameters())
