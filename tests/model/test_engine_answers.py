@@ -179,3 +179,27 @@ def test_import_draft_fuses_in_the_export_order(target: LoadedModel, tmp_path: P
         if p.requires_grad:
             assert torch.equal(back[name], p.detach()), name
     assert set(draft_tensors(dense, torch.float32))  # the names the export wrote
+
+
+def test_one_engine_answers_every_round_and_the_text(
+    stories_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine (its weights and KV cache) is built once per run, not once per answer round
+    and again for the teacher-forced text."""
+    from keyserve.training import distill
+
+    built: list[LLMEngine] = []
+
+    class Counted(LLMEngine):
+        def __init__(self, config: EngineConfig) -> None:
+            super().__init__(config)
+            built.append(self)
+
+    monkeypatch.setattr(distill, "LLMEngine", Counted)
+    assert cli_main(["distill-draft", "--target", stories_path, "--out", str(tmp_path), *TINY, "--steps", "1",
+                     "--generator", "engine", "--gen-dtype", "float32", "--teacher-top-k", "8",
+                     "--answer-rounds", "2", "--corpus-tokens", "300", "--time-budget-min", "15"]) == 0
+    data = load_parts(tmp_path / "data")
+    indices = data.prompt_index.tolist()
+    assert sorted(i for i in indices if i >= 0) == list(range(16)) and min(indices) < 0
+    assert len(built) == 1

@@ -27,7 +27,7 @@ from keyserve.engine.llm_engine import LLMEngine
 from keyserve.model.draft_model import DRAFT_META_FILE, DraftMeta, embedding_checksum, tokenizer_fingerprint
 from keyserve.model.loader import LoadedModel, load_model
 from keyserve.model.paths import DEFAULT_MODEL_NAME
-from keyserve.training.corpus import record_corpus, teacher_force
+from keyserve.training.corpus import Item, record_corpus, teacher_force
 from keyserve.training.dense import DenseLlama
 from keyserve.training.engine_answers import engine_answers, engine_teacher_force
 from keyserve.training.export import export_draft, import_draft
@@ -171,8 +171,38 @@ def _stop_ids(target: LoadedModel) -> set[int]:
     return ids
 
 
+class _Recorder:
+    """Who records the target's distributions, as ``--generator`` says: the dense float32 model,
+    or keyserve's engine, built once on first use and shared by every answer round and the
+    teacher-forced text."""
+
+    def __init__(self, target: LoadedModel, opts: DistillOptions) -> None:
+        self.target, self.opts = target, opts
+        self.dense = DenseLlama.from_serving(target.model)
+        self._engine: LLMEngine | None = None
+
+    def _the_engine(self) -> LLMEngine:
+        if self._engine is None:
+            config = EngineConfig.from_flat(model=str(self.target.path), dtype=self.opts.gen_dtype,
+                                            max_num_seqs=self.opts.gen_slots, kv_cache_memory_gb=2.0,
+                                            seed=self.opts.seed)
+            self._engine = LLMEngine(config)
+        return self._engine
+
+    def answer(self, job: GenerationJob, deadline: float, save: Callable[[list[Answer]], None]) -> None:
+        if self.opts.generator == "engine":
+            engine_answers(self._the_engine(), job, deadline, save)
+        else:
+            generate_answers(self.dense, job, deadline, save, tuner=ThreadTuner(self.opts.threads))
+
+    def force(self, items: list[Item], top_k: int) -> list[Answer]:
+        if self.opts.generator == "engine":
+            return engine_teacher_force(self._the_engine(), items, top_k)
+        return teacher_force(self.dense, items, top_k)
+
+
 def _generate(
-    target: LoadedModel, teacher: DenseLlama, out: Path, opts: DistillOptions, deadline: float
+    target: LoadedModel, recorder: _Recorder, out: Path, opts: DistillOptions, deadline: float
 ) -> TeacherData:
     """Answer the (prompt, round) pairs not answered yet (all of them on a fresh run) and return
     all data. Round r's answer to prompt i is recorded as prompt index ``r * num_prompts + i``:
@@ -199,21 +229,11 @@ def _generate(
             slots=opts.gen_slots,
             seed=opts.seed + len(done) + round_ * 1_000_003,
         )
-        if opts.generator == "engine":
-            engine_answers(_answer_engine(target, opts), job, deadline, save)
-        else:
-            generate_answers(teacher, job, deadline, save, tuner=ThreadTuner(opts.threads))
+        recorder.answer(job, deadline, save)
     data = load_parts(data_dir)
     if data is None or data.num_tokens == 0:
         raise RuntimeError("the target produced no answers within the time budget")
     return data
-
-
-def _answer_engine(target: LoadedModel, opts: DistillOptions) -> LLMEngine:
-    """keyserve's engine on the target, ``gen_slots`` sequences at once, for ``engine_answers``."""
-    config = EngineConfig.from_flat(model=str(target.path), dtype=opts.gen_dtype, max_num_seqs=opts.gen_slots,
-                                    kv_cache_memory_gb=2.0, seed=opts.seed)
-    return LLMEngine(config)
 
 
 def _part_saver(data_dir: Path, top_k: int) -> Callable[[list[Answer]], None]:
@@ -228,7 +248,7 @@ def _part_saver(data_dir: Path, top_k: int) -> Callable[[list[Answer]], None]:
     return save
 
 
-def _record_corpus(target: LoadedModel, teacher: DenseLlama, out: Path, opts: DistillOptions,
+def _record_corpus(target: LoadedModel, recorder: _Recorder, out: Path, opts: DistillOptions,
                    have: TeacherData, deadline: float) -> int:
     """Teacher-forced offline text (training/corpus.py) after the answers, up to
     ``opts.corpus_tokens`` tokens in all (``have``: the data on disk so far); returns the
@@ -237,12 +257,7 @@ def _record_corpus(target: LoadedModel, teacher: DenseLlama, out: Path, opts: Di
     if already >= opts.corpus_tokens:
         return 0
     passages = {i for i in have.prompt_index.tolist() if i < 0}
-    if opts.generator == "engine":
-        engine = _answer_engine(target, opts)
-        force = lambda items, k: engine_teacher_force(engine, items, k)  # noqa: E731
-    else:
-        force = lambda items, k: teacher_force(teacher, items, k)  # noqa: E731
-    return record_corpus(force, target.tokenizer, passages, _part_saver(out / "data", opts.teacher_top_k),
+    return record_corpus(recorder.force, target.tokenizer, passages, _part_saver(out / "data", opts.teacher_top_k),
                          deadline, opts.corpus_tokens - already, opts.teacher_top_k, opts.seed)
 
 
@@ -308,17 +323,18 @@ def distill_draft(opts: DistillOptions) -> Path:
         raise ValueError(f"{out} holds an earlier run's data; pass --resume or use another --out")
     ThreadTuner(opts.threads)
     target = load_model(opts.target, torch.float32, "cpu")
-    teacher = DenseLlama.from_serving(target.model)
     resuming = opts.resume and own.is_file()
     if resuming:
         data = load_parts(out / "data")  # training had started: the data is final
         if data is None:
             raise ValueError(f"{out}/checkpoint.pt exists but {out}/data/ is empty")
     else:
-        data = _generate(target, teacher, out, opts, t0 + opts.gen_share * budget_s)
+        recorder = _Recorder(target, opts)  # dropped before training: the engine's KV cache with it
+        data = _generate(target, recorder, out, opts, t0 + opts.gen_share * budget_s)
         if opts.corpus_tokens > 0 and _record_corpus(
-                target, teacher, out, opts, data, t0 + (opts.gen_share + opts.corpus_share) * budget_s):
+                target, recorder, out, opts, data, t0 + (opts.gen_share + opts.corpus_share) * budget_s):
             data = load_parts(out / "data") or data
+        del recorder
     gen_s = time.monotonic() - t0
     init = None if resuming or opts.init_from is None else _load_checkpoint(Path(opts.init_from))
     head_ids = _head_ids(data, target, opts, _load_checkpoint(own) if resuming else init)

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from keyserve.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from keyserve.engine.llm_engine import LLMEngine
 from keyserve.engine.outputs import RequestOutput
+from keyserve.training.corpus import Item
 from keyserve.training.generate import GenerationJob
 from keyserve.training.records import Answer
 
@@ -36,15 +37,22 @@ def _params(job: GenerationJob, i: int) -> SamplingParams:
     )
 
 
+def _top_tensors(
+    tops: list[list[tuple[int, float]]],  # per position: (token id, logprob), most likely first
+) -> tuple[torch.Tensor, torch.Tensor]:  # ids [n, k] int32, logprobs [n, k] float16
+    """The engine's per-position alternatives as a record's ``topk_ids`` / ``topk_logprobs``."""
+    ids = torch.tensor([[t for t, _ in row] for row in tops], dtype=torch.int32)
+    lps = torch.tensor([[lp for _, lp in row] for row in tops], dtype=torch.float32)
+    return ids, lps.to(torch.float16)
+
+
 def _answer(job: GenerationJob, i: int, out: RequestOutput) -> Answer | None:
     """The record of one finished request; None for an empty answer (nothing to learn from)."""
     completion = out.outputs[0]
     tops = completion.top_logprobs or []
     if not completion.token_ids or len(tops) != len(completion.token_ids):
         return None
-    ids = torch.tensor([[t for t, _ in row] for row in tops], dtype=torch.int32)  # [n, k]
-    lps = torch.tensor([[lp for _, lp in row] for row in tops], dtype=torch.float32)  # [n, k]
-    return Answer(job.indices[i], list(job.prompts[i]), list(completion.token_ids), ids, lps.to(torch.float16))
+    return Answer(job.indices[i], list(job.prompts[i]), list(completion.token_ids), *_top_tensors(tops))
 
 
 def engine_answers(
@@ -91,7 +99,7 @@ def engine_answers(
 
 def engine_teacher_force(
     engine: LLMEngine,
-    items: list[tuple[int, list[int], list[int]]],  # (prompt index, prompt ids, passage ids)
+    items: list[Item],
     top_k: int,
 ) -> list[Answer]:
     """The target's top-k before every passage token, as ``corpus.teacher_force`` records them,
@@ -113,7 +121,5 @@ def engine_teacher_force(
     for rid, n in rows.items():
         index, prompt, passage = items[n]
         tops = done[rid].prompt_top_logprobs[len(prompt) : len(prompt) + len(passage)]  # before each passage token
-        ids = torch.tensor([[t for t, _ in row] for row in tops], dtype=torch.int32)  # [len(passage), k]
-        lps = torch.tensor([[lp for _, lp in row] for row in tops], dtype=torch.float32)  # [len(passage), k]
-        answers.append(Answer(index, list(prompt), list(passage), ids, lps.to(torch.float16)))
+        answers.append(Answer(index, list(prompt), list(passage), *_top_tensors(tops)))
     return answers
