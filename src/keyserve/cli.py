@@ -190,6 +190,9 @@ def _add_distill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-from", default=None,
                    help="another run's checkpoint.pt, or an exported draft directory: train from its (best) "
                         "weights (same layers and vocabulary)")
+    p.add_argument("--with-data", default=None,
+                   help="comma-separated earlier run directories whose recorded data (DIR/data/) this run "
+                        "also trains on, never held out (their data is not recorded again)")
     p.add_argument("--generator", choices=["dense", "engine"], default="dense",
                    help="who answers the prompts: the float32 dense loop (top-k up to any size) or keyserve's "
                         "engine (~4-6x faster on a CPU; at most 20 alternatives per token: --teacher-top-k 20)")

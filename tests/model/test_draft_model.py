@@ -31,7 +31,7 @@ from keyserve.training.dense import DenseLlama
 from keyserve.training.distill import DistillOptions, _split, distill_draft, init_layer_ids
 from keyserve.training.export import export_draft
 from keyserve.training.generate import GenerationJob, generate_answers
-from keyserve.training.records import Answer, load_parts
+from keyserve.training.records import Answer, TeacherData, load_parts
 from keyserve.training.teacher_forced import teacher_forced_logits
 
 TINY = ["--gen-tokens", "24", "--vocab", "200", "--batch-tokens", "256",
@@ -378,3 +378,36 @@ def test_the_same_seed_trains_the_same_draft_whatever_ran_before(stories_path: s
             weights.append({name: f.get_tensor(name) for name in f.keys()})
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.allclose(weights[0][name], weights[1][name], rtol=0, atol=5e-4) for name in weights[0])
+
+
+def test_with_data_trains_on_an_earlier_runs_data_and_never_holds_it_out(
+    stories_path: str, tmp_path: Path
+) -> None:
+    """``--with-data DIR`` adds DIR's recorded answers to this run's (not recorded again) and
+    keeps them all on the training side: the earlier run's draft trained on them, so holding
+    them out would flatter an ``--init-from`` start."""
+    first = tmp_path / "first"
+    _distill(stories_path, first, "--steps", "2")
+    earlier = load_parts(first / "data")
+    second = tmp_path / "second"
+    _distill(stories_path, second, "--steps", "2", "--seed", "1", "--with-data", str(first))
+    own = load_parts(second / "data")
+    assert own.num_sequences == 10  # only its own answers on its disk
+    meta = _meta(second)["training"]
+    assert meta["data"]["sequences"] == own.num_sequences + earlier.num_sequences
+    assert meta["data"]["answer_tokens"] == own.num_tokens + earlier.num_tokens
+    both = TeacherData.concat([own, earlier])
+    train, held = _split(both, 1, None, own.num_sequences)
+    assert held and all(j < own.num_sequences for j in held)
+    assert sorted(train + held) == list(range(both.num_sequences))  # the earlier run's all trained on
+
+
+def test_with_data_refuses_a_directory_without_data_or_another_top_k(stories_path: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="holds no recorded data"):
+        DistillOptions(out=str(tmp_path / "a"), with_data=str(tmp_path))
+    first = tmp_path / "first"
+    _distill(stories_path, first, "--steps", "1", "--teacher-top-k", "4")
+    with pytest.raises(ValueError, match="top-4.*--teacher-top-k must match"):
+        distill_draft(DistillOptions(out=str(tmp_path / "b"), target=stories_path, num_prompts=4, gen_tokens=8,
+                                     vocab=200, steps=1, teacher_top_k=5, with_data=str(first),
+                                     time_budget_min=1))

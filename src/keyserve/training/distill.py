@@ -74,6 +74,13 @@ class DistillOptions:
     keep: str = "best"  # export the best held-out evaluation's weights, or the "last" step's
     generator: str = "dense"  # answers by the float32 dense loop ("dense") or keyserve's engine
     gen_dtype: str = "bfloat16"  # the engine's dtype with generator "engine"
+    with_data: str | None = None  # "DIR,DIR": earlier runs whose data/ parts are trained on too
+
+    def extra_data_dirs(self) -> list[Path]:
+        """The ``data/`` directories ``--with-data`` names, in order."""
+        if not self.with_data:
+            return []
+        return [Path(d.strip()).expanduser() / "data" for d in self.with_data.split(",") if d.strip()]
 
     def __post_init__(self) -> None:
         """Every option in range, and ``out`` a directory path: a ValueError naming the
@@ -115,6 +122,11 @@ class DistillOptions:
         if self.init_from is not None and not (Path(self.init_from).is_file()
                                                or (Path(self.init_from) / DRAFT_META_FILE).is_file()):
             raise ValueError(f"--init-from {self.init_from} is neither a run's checkpoint.pt nor a draft directory")
+        for data_dir in self.extra_data_dirs():
+            if not any(data_dir.glob("part-*.safetensors")):
+                raise ValueError(f"--with-data {data_dir.parent} holds no recorded data ({data_dir}/part-*.safetensors)")
+            if data_dir.parent.resolve() == out.resolve():
+                raise ValueError(f"--with-data {data_dir.parent} is --out itself: its data is this run's own")
         if self.init_layers is not None:
             if not all(x.strip().isdigit() for x in self.init_layers.split(",")):
                 raise ValueError(f"--init-layers must be comma-separated layer numbers, not {self.init_layers!r}")
@@ -261,12 +273,32 @@ def _record_corpus(target: LoadedModel, recorder: _Recorder, out: Path, opts: Di
                          deadline, opts.corpus_tokens - already, opts.teacher_top_k, opts.seed)
 
 
-def _split(data: TeacherData, seed: int, num_prompts: int | None = None) -> tuple[list[int], list[int]]:
+def _with_extra_data(data: TeacherData, opts: DistillOptions) -> TeacherData:
+    """``data`` followed by the ``--with-data`` runs' parts (so this run's own sequences keep
+    their indices; those after them are the extra ones)."""
+    dirs = opts.extra_data_dirs()
+    if not dirs:
+        return data
+    extras = [load_parts(d) for d in dirs]
+    k = int(data.topk_ids.shape[1])
+    for d, extra in zip(dirs, extras):
+        if extra is None or int(extra.topk_ids.shape[1]) != k:
+            width = "nothing" if extra is None else f"top-{extra.topk_ids.shape[1]}"
+            raise ValueError(f"--with-data {d.parent} recorded {width}; this run records top-{k} "
+                             f"(--teacher-top-k must match)")
+    return TeacherData.concat([data, *extras])
+
+
+def _split(data: TeacherData, seed: int, num_prompts: int | None = None,
+           own: int | None = None) -> tuple[list[int], list[int]]:
     """(train, held-out) sequence indices; held-out is ~5% of the target's answers (never
     teacher-forced text: agreement is measured where the draft serves), at least one. With
     ``num_prompts``, every answer to one prompt (all rounds) falls on the same side, so the
-    held-out agreement never scores a prompt the draft trained on."""
-    order = list(range(data.num_sequences))
+    held-out agreement never scores a prompt the draft trained on. Only the first ``own``
+    sequences (this run's) can be held out: the rest came from earlier runs (``--with-data``),
+    whose drafts (often the ``--init-from``) trained on them, so they would flatter it."""
+    own = data.num_sequences if own is None else own
+    order = list(range(own))
     random.Random(seed + 2).shuffle(order)
     answers = [i for i in order if int(data.prompt_index[i]) >= 0] or order
     if num_prompts:
@@ -279,7 +311,7 @@ def _split(data: TeacherData, seed: int, num_prompts: int | None = None) -> tupl
         heldout = answers[:k]
     held = set(heldout)
     train = [i for i in order if i not in held] or order
-    return train, heldout or order[:1]
+    return train + list(range(own, data.num_sequences)), heldout or order[:1]
 
 
 def _special_ids(target: LoadedModel) -> list[int]:
@@ -336,6 +368,8 @@ def distill_draft(opts: DistillOptions) -> Path:
             data = load_parts(out / "data") or data
         del recorder
     gen_s = time.monotonic() - t0
+    own_sequences = data.num_sequences
+    data = _with_extra_data(data, opts)
     init = None if resuming or opts.init_from is None else _load_checkpoint(Path(opts.init_from))
     head_ids = _head_ids(data, target, opts, _load_checkpoint(own) if resuming else init)
     head_map = index_map(head_ids, target.config.vocab_size)
@@ -344,7 +378,7 @@ def distill_draft(opts: DistillOptions) -> Path:
     if init is not None:
         _start_from(draft, init, layer_ids)
     rounds = opts.answer_rounds > 1 or int(data.prompt_index.max()) >= opts.num_prompts
-    train_seqs, heldout_seqs = _split(data, opts.seed, opts.num_prompts if rounds else None)
+    train_seqs, heldout_seqs = _split(data, opts.seed, opts.num_prompts if rounds else None, own_sequences)
     cfg = TrainConfig(
         max_steps=opts.steps,
         batch_tokens=opts.batch_tokens,
