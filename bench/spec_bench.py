@@ -153,11 +153,12 @@ class Row:
 
 # ------------------------------------------------------------------------ keyserve
 def keyserve_run(llm, batch: int, temperature: float, k: int, prompts: list[str], max_tokens: int,
-                 adaptive: bool = False, tree: str = "", lookup: int = 0, engine: str = "") -> Row:
+                 adaptive: bool = False, tree: str = "", lookup: int = 0, engine: str = "",
+                 ignore_eos: bool = True) -> Row:
     from keyserve import SamplingParams
 
     def params(i: int) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=i,
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos, seed=i,
                               speculative=k > 0 or bool(tree), num_speculative_tokens=k or None)
 
     ray = hasattr(llm.engine, "core_client")  # RayEngine: built without prefix caching instead
@@ -294,7 +295,7 @@ class ForwardCounter:
 
 
 def hf_run(target, draft, counters, tok, temperature: float, k: int, prompts: list[str],
-           max_tokens: int) -> Row:
+           max_tokens: int, ignore_eos: bool = True) -> Row:
     from transformers import GenerationConfig
 
     t_count, d_count = counters
@@ -302,7 +303,7 @@ def hf_run(target, draft, counters, tok, temperature: float, k: int, prompts: li
     for i, prompt in enumerate(prompts):
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
-        cfg = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+        cfg = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens if ignore_eos else None,
                                do_sample=temperature > 0, temperature=temperature or None, top_k=None,
                                top_p=None, pad_token_id=tok.eos_token_id)
         kw = {}
@@ -684,7 +685,9 @@ def render(rows: list[Row], meta: dict) -> str:
         f"SmolLM2-135M-Instruct target, draft `{meta.get('draft', 'drafts/SmolLM2-135M-Instruct-draft')}` (2 layers, pruned "
         f"8192-token head, {meta['draft_params_m']:.1f} M parameters read per token against the "
         f"target's {meta['target_params_m']:.1f} M); float32; {meta['num_prompts']} chat prompts × "
-        f"{meta['max_tokens']} generated tokens per configuration (EOS ignored); "
+        + (f"at most {meta['max_tokens']} generated tokens per prompt, each answer ending at its EOS as a user's "
+           "would (tok/s counts the tokens generated); " if meta.get("stop_at_eos") else
+           f"{meta['max_tokens']} generated tokens per configuration (EOS ignored); ")
         + (f"an untimed warm-up of every configuration for every contender, then {meta['repeats']} "
            f"interleaved rounds (medians and min–max spread of tok/s over rounds)"
            + (f", each round in {meta['slices']} slices of the prompts (every configuration on one slice, "
@@ -797,6 +800,10 @@ def main() -> None:
                     help="prompts per configuration, every batch size (rounded up to a multiple of it)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--skip-adaptive", action="store_true", help="no adaptive-K rows")
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="answers end at their EOS (as a user's would) instead of running to --max-tokens: "
+                         "no text past the answer, which neither the target's chat training nor the draft's "
+                         "covers")
     ap.add_argument("--lookups", type=int, nargs="*", default=[],
                     help="also every in-process chain row (fixed and adaptive K) with prompt lookup first, "
                          "n-grams up to each of these (prompt_lookup_max)")
@@ -947,18 +954,21 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
         with torch.inference_mode():
             if engine == "keyserve":
                 with adaptive_k(llm, adaptive), tree_shape(llm, tree), prompt_lookup(llm, lookup, args.lookup_min):
-                    return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive, tree, lookup)
+                    return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive, tree, lookup,
+                                        ignore_eos=not args.stop_at_eos)
             if engine == "ngram":
                 with lookup_alone(llm, lookup, args.lookup_min), adaptive_k(llm, adaptive):
-                    return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive, "", lookup, "ngram")
+                    return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive, "", lookup, "ngram",
+                                        ignore_eos=not args.stop_at_eos)
             if engine == "ray":
                 ray_llm = rays["draft" if k or tree else "plain"]
                 try:
                     with adaptive_k(ray_llm, adaptive), tree_shape(ray_llm, tree):
-                        return keyserve_run(ray_llm, batch, temp, k, prompts, max_tokens, adaptive, tree)
+                        return keyserve_run(ray_llm, batch, temp, k, prompts, max_tokens, adaptive, tree,
+                                            ignore_eos=not args.stop_at_eos)
                 finally:  # its graph's actors busy-wait until the idle release: let them go first
                     time.sleep(RAY_IDLE_RELEASE_S + 0.3)
-            return hf_run(hf, draft, counters, tok, temp, k, prompts, max_tokens)
+            return hf_run(hf, draft, counters, tok, temp, k, prompts, max_tokens, ignore_eos=not args.stop_at_eos)
 
     # Warm-up, untimed, for every contender and configuration: first-call costs (allocations,
     # kernel selection, lazily built caches) land here, on transformers' side too.
@@ -990,6 +1000,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
     guard_losses = {f"batch {b}, T {'> 0' if s else '= 0'}": guard.losses(b, s)
                     for b in args.batches for s in sorted({t > 0 for t in args.temperatures})}
     meta = dict(guard_losses=guard_losses, num_prompts=args.num_prompts, max_tokens=args.max_tokens, repeats=args.rounds,
+                stop_at_eos=args.stop_at_eos,
                 slices=slices,
                 threads=torch.get_num_threads(), ray=bool(rays),
                 transformers=transformers.__version__, load_before=load_before, load_after=_load_avg(),
