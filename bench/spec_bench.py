@@ -98,7 +98,11 @@ SECTION_TITLES = {"speculative_ray": "Speculative sampling on the Ray engine: th
                   "speculative_lookup_aware_b8": "Speculative sampling: lookup-aware adaptive K at batch 8, after "
                   "the step-cost fix (issue 19)",
                   "speculative_tiles": "Speculative sampling on the AVX2 float32 register tiles: verify rows "
-                  "cheaper (issue 19)"}
+                  "cheaper (issue 19)",
+                  "speculative_run5": "Speculative sampling with draft run 5, all four targets in one run (issue 19, "
+                  "the Zen 5)",
+                  "speculative_run5_eos": "Speculative sampling with draft run 5, answers ending at their EOS (issue "
+                  "19, the Zen 5)"}
 RAY_TARGETS = {0.0: 1.5}  # issue 19: the Ray engine with the draft actor, batch 1, over its own plain decoding
 
 
