@@ -948,6 +948,8 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
     # Interleave engines so slow drift of the machine's load hits every contender alike.
     configs.sort(key=lambda c: (c[3], c[4], c[5], c[6], c[2], c[0], c[1]))
 
+    ignore_eos = not args.stop_at_eos
+
     def run(config: tuple, num_prompts: int, max_tokens: int, part: tuple[int, int] = (0, 1)) -> Row | None:
         """One configuration over its prompts' batches number part[0], part[0] + part[1], ...
         (all of them by default); None when that part holds none."""
@@ -961,20 +963,20 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
             if engine == "keyserve":
                 with adaptive_k(llm, adaptive), tree_shape(llm, tree), prompt_lookup(llm, lookup, args.lookup_min):
                     return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive, tree, lookup,
-                                        ignore_eos=not args.stop_at_eos)
+                                        ignore_eos=ignore_eos)
             if engine == "ngram":
                 with lookup_alone(llm, lookup, args.lookup_min), adaptive_k(llm, adaptive):
                     return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive, "", lookup, "ngram",
-                                        ignore_eos=not args.stop_at_eos)
+                                        ignore_eos=ignore_eos)
             if engine == "ray":
                 ray_llm = rays["draft" if k or tree else "plain"]
                 try:
                     with adaptive_k(ray_llm, adaptive), tree_shape(ray_llm, tree):
                         return keyserve_run(ray_llm, batch, temp, k, prompts, max_tokens, adaptive, tree,
-                                            ignore_eos=not args.stop_at_eos)
+                                            ignore_eos=ignore_eos)
                 finally:  # its graph's actors busy-wait until the idle release: let them go first
                     time.sleep(RAY_IDLE_RELEASE_S + 0.3)
-            return hf_run(hf, draft, counters, tok, temp, k, prompts, max_tokens, ignore_eos=not args.stop_at_eos)
+            return hf_run(hf, draft, counters, tok, temp, k, prompts, max_tokens, ignore_eos=ignore_eos)
 
     # Warm-up, untimed, for every contender and configuration: first-call costs (allocations,
     # kernel selection, lazily built caches) land here, on transformers' side too.

@@ -411,3 +411,4 @@ def test_with_data_refuses_a_directory_without_data_or_another_top_k(stories_pat
         distill_draft(DistillOptions(out=str(tmp_path / "b"), target=stories_path, num_prompts=4, gen_tokens=8,
                                      vocab=200, steps=1, teacher_top_k=5, with_data=str(first),
                                      time_budget_min=1))
+    assert not (tmp_path / "b").exists()  # refused before anything was recorded

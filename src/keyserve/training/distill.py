@@ -33,7 +33,7 @@ from keyserve.training.engine_answers import engine_answers, engine_teacher_forc
 from keyserve.training.export import export_draft, import_draft
 from keyserve.training.generate import GenerationJob, generate_answers
 from keyserve.training.prompts import build_prompts, story_prompts
-from keyserve.training.records import Answer, TeacherData, load_parts
+from keyserve.training.records import Answer, TeacherData, load_parts, recorded_top_k
 from keyserve.training.threads import ThreadTuner
 from keyserve.training.train import Checkpoint, TrainConfig, TrainResult, train_draft
 from keyserve.training.vocab import coverage, index_map, select_vocab
@@ -127,6 +127,10 @@ class DistillOptions:
                 raise ValueError(f"--with-data {data_dir.parent} holds no recorded data ({data_dir}/part-*.safetensors)")
             if data_dir.parent.resolve() == out.resolve():
                 raise ValueError(f"--with-data {data_dir.parent} is --out itself: its data is this run's own")
+            widths = recorded_top_k(data_dir) - {self.teacher_top_k}
+            if widths:
+                raise ValueError(f"--with-data {data_dir.parent} recorded top-{min(widths)}; this run records "
+                                 f"top-{self.teacher_top_k} (--teacher-top-k must match)")
         if self.init_layers is not None:
             if not all(x.strip().isdigit() for x in self.init_layers.split(",")):
                 raise ValueError(f"--init-layers must be comma-separated layer numbers, not {self.init_layers!r}")
@@ -275,18 +279,10 @@ def _record_corpus(target: LoadedModel, recorder: _Recorder, out: Path, opts: Di
 
 def _with_extra_data(data: TeacherData, opts: DistillOptions) -> TeacherData:
     """``data`` followed by the ``--with-data`` runs' parts (so this run's own sequences keep
-    their indices; those after them are the extra ones)."""
-    dirs = opts.extra_data_dirs()
-    if not dirs:
-        return data
-    extras = [load_parts(d) for d in dirs]
-    k = int(data.topk_ids.shape[1])
-    for d, extra in zip(dirs, extras):
-        if extra is None or int(extra.topk_ids.shape[1]) != k:
-            width = "nothing" if extra is None else f"top-{extra.topk_ids.shape[1]}"
-            raise ValueError(f"--with-data {d.parent} recorded {width}; this run records top-{k} "
-                             f"(--teacher-top-k must match)")
-    return TeacherData.concat([data, *extras])
+    their indices; those after them are the extra ones). ``DistillOptions`` checked, before
+    anything was recorded, that each holds parts of this run's top-k."""
+    extras = [load_parts(d) for d in opts.extra_data_dirs()]
+    return TeacherData.concat([data, *extras]) if extras else data
 
 
 def _split(data: TeacherData, seed: int, num_prompts: int | None = None,

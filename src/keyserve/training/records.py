@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 
@@ -106,6 +107,16 @@ _FIELDS = (
     "topk_ids",
     "topk_logprobs",
 )
+
+
+def recorded_top_k(directory: Path) -> set[int]:
+    """The top-k widths of the parts under ``directory``, read from their headers (no tensor is
+    loaded): a run checks another run's data against its own before recording anything."""
+    widths = set()
+    for path in sorted(directory.glob("part-*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            widths.add(int(f.get_slice("topk_ids").get_shape()[1]))
+    return widths
 
 
 def load_parts(directory: Path) -> TeacherData | None:
