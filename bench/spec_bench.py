@@ -104,6 +104,10 @@ SECTION_TITLES = {"speculative_ray": "Speculative sampling on the Ray engine: th
                   "speculative_run5_eos": "Speculative sampling with draft run 5, answers ending at their EOS (issue "
                   "19, the Zen 5)",
                   "speculative_ray_run5": "Speculative sampling on the Ray engine with draft run 5 (issue 19, the "
+                  "Zen 5)",
+                  "speculative_run6": "Speculative sampling with draft run 6, all four targets in one run (issue 19, "
+                  "the Zen 5)",
+                  "speculative_ray_run6": "Speculative sampling on the Ray engine with draft run 6 (issue 19, the "
                   "Zen 5)"}
 RAY_TARGETS = {0.0: 1.5}  # issue 19: the Ray engine with the draft actor, batch 1, over its own plain decoding
 

@@ -201,6 +201,9 @@ def _add_distill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", choices=["best", "last"], default="best",
                    help="export the best held-out evaluation's weights or the last step's (after --init-from "
                         "the held-out answers may hold ones the other run trained on, which favours early steps)")
+    p.add_argument("--train-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the training matmuls' dtype: bfloat16 autocasts them (weights, optimiser and loss "
+                        "stay float32); ~1.5x faster steps on a CPU with AVX512-BF16 or AMX")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--batch-tokens", type=int, default=2048, help="training tokens per step")
     p.add_argument("--lr", type=float, default=1e-3)

@@ -412,3 +412,53 @@ def test_with_data_refuses_a_directory_without_data_or_another_top_k(stories_pat
                                      vocab=200, steps=1, teacher_top_k=5, with_data=str(first),
                                      time_budget_min=1))
     assert not (tmp_path / "b").exists()  # refused before anything was recorded
+
+
+def _one_step(model: DenseLlama, batch, dtype: torch.dtype | None) -> tuple[float, dict[str, torch.Tensor]]:
+    from keyserve.training.train import _train_step
+
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+    opt = torch.optim.SGD(list(trainable.values()), lr=1.0)  # the update is the clipped gradient
+    loss = _train_step(model, opt, batch, 1.0, 1e9, dtype)
+    grads = {n: before[n] - p.detach() for n, p in trainable.items()}
+    with torch.no_grad():  # undo: the next call starts from the same weights
+        for n, p in trainable.items():
+            p.copy_(before[n])
+    return loss, grads
+
+
+def test_bfloat16_training_steps_follow_the_float32_gradient(target: LoadedModel) -> None:
+    """``--train-dtype bfloat16`` autocasts the step's matmuls: its loss and gradient are the
+    float32 step's up to bf16 rounding (a bfloat16 step that silently ran in float32 equals it
+    bit for bit: the autocast disabled fails here), while the weights themselves stay float32."""
+    from keyserve.training.batches import make_batch
+
+    torch.manual_seed(0)
+    job = GenerationJob([[1, 5, 9, 13], [1, 7, 2]], [1.0, 1.0], [0, 1], 12, set(), top_k=8, seed=3)
+    answers: list[Answer] = []
+    generate_answers(DenseLlama.from_serving(target.model), job, float("inf"), answers.extend)
+    data = TeacherData.from_answers(answers, 8)
+    head_ids = data.topk_ids.long().unique()  # every recorded alternative in the draft's head
+    head_map = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
+    head_map[head_ids] = torch.arange(head_ids.numel())
+    model = DenseLlama.from_serving(target.model, [0, 4], head_ids, trainable=True)
+    model.set_dropout(0.0)
+    batch = make_batch(data, [0, 1], head_map)
+    loss32, grad32 = _one_step(model, batch, None)
+    loss16, grad16 = _one_step(model, batch, torch.bfloat16)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert loss16 != loss32 and abs(loss16 - loss32) < 2e-2 * abs(loss32)
+    for name, g in grad32.items():
+        error = (grad16[name] - g).norm() / g.norm().clamp_min(1e-12)
+        assert 0 < error < 0.05, (name, float(error))
+
+
+def test_train_dtype_is_checked_and_recorded(stories_path: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--train-dtype must be one of float32, bfloat16"):
+        DistillOptions(out=str(tmp_path / "x"), train_dtype="float16")
+    _distill(stories_path, tmp_path, "--steps", "8", "--train-dtype", "bfloat16")
+    training = _meta(tmp_path)["training"]
+    assert training["options"]["train_dtype"] == "bfloat16"
+    assert "--train-dtype bfloat16" in training["command"]
+    assert training["loss_last"] < training["loss_first"]

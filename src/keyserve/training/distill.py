@@ -35,7 +35,7 @@ from keyserve.training.generate import GenerationJob, generate_answers
 from keyserve.training.prompts import build_prompts, story_prompts
 from keyserve.training.records import Answer, TeacherData, load_parts, recorded_top_k
 from keyserve.training.threads import ThreadTuner
-from keyserve.training.train import Checkpoint, TrainConfig, TrainResult, train_draft
+from keyserve.training.train import TRAIN_DTYPES, Checkpoint, TrainConfig, TrainResult, train_draft
 from keyserve.training.vocab import coverage, index_map, select_vocab
 
 GITIGNORE = "checkpoint.pt\ncheckpoint.tmp\ndata/\n*.tmp\n"
@@ -75,6 +75,7 @@ class DistillOptions:
     generator: str = "dense"  # answers by the float32 dense loop ("dense") or keyserve's engine
     gen_dtype: str = "bfloat16"  # the engine's dtype with generator "engine"
     with_data: str | None = None  # "DIR,DIR": earlier runs whose data/ parts are trained on too
+    train_dtype: str = "float32"  # the training matmuls' dtype (train.TrainConfig.train_dtype)
 
     def extra_data_dirs(self) -> list[Path]:
         """The ``data/`` directories ``--with-data`` names, in order."""
@@ -119,6 +120,8 @@ class DistillOptions:
                              f"(its top_logprobs): pass --teacher-top-k {MAX_TOP_LOGPROBS} or less")
         if self.keep not in ("best", "last"):
             raise ValueError(f"--keep must be best or last, not {self.keep!r}")
+        if self.train_dtype not in TRAIN_DTYPES:
+            raise ValueError(f"--train-dtype must be one of {', '.join(TRAIN_DTYPES)}, not {self.train_dtype!r}")
         if self.init_from is not None and not (Path(self.init_from).is_file()
                                                or (Path(self.init_from) / DRAFT_META_FILE).is_file()):
             raise ValueError(f"--init-from {self.init_from} is neither a run's checkpoint.pt nor a draft directory")
@@ -385,6 +388,7 @@ def distill_draft(opts: DistillOptions) -> Path:
         max_threads=opts.threads,
         dropout=opts.dropout,
         keep=opts.keep,
+        train_dtype=opts.train_dtype,
     )
     identity = {"layers": layer_ids, "head_ids": head_ids.tolist(), "target": str(target.path)}
     result = train_draft(
