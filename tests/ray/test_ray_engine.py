@@ -220,12 +220,42 @@ def test_ngram_draft_actor_equals_in_process(stories_path: str) -> None:
         got = ray_llm.generate(prompts, params)
         spec = ray_llm.engine.speculative
         assert not spec.tree_capable and ray_llm.engine.drafter_client.weight_bytes == 0
-        assert ray_llm.engine.drafter_client.stats() == {"num_blocks": 0, "num_free_blocks": 0, "num_mirrors": 0}
+        draft = ray_llm.engine.drafter_client.stats()
+        assert (draft["num_blocks"], draft["num_free_blocks"], draft["num_mirrors"]) == (0, 0, 0)
     assert spec.lookup_stats == spec.stats == local.engine.speculative.stats
     assert spec.stats.num_accepted_tokens > 0
     _same(prompts, want, got)
     for a, b in zip(want, got):
         assert b.stats.spec_draft_tokens == a.stats.spec_draft_tokens
+
+
+def test_a_step_nobody_drafts_in_skips_the_draft_actor(stories_path: str, draft_dir: str) -> None:
+    """Relayed, a step with no drafts goes from the KV-block manager straight to the shards
+    (``ChannelGraph.submit``): requests that do not speculate never reach the draft actor, and
+    with speculating ones only their drafting steps do (not the prompt steps, not a step
+    after they all finished). The tokens are the in-process engine's either way. Sending every
+    step by the draft actor (as before) fails the first count."""
+    prompts = _prompts(6, seed=7)
+    opts = dict(OPTIONS, draft=draft_dir)
+    plain = [_params(i, speculative=False) for i in range(6)]
+    spec = [_params(i, num_speculative_tokens=2) for i in range(6)]
+    local = LLM(stories_path, **opts)
+    want_plain, want_spec = local.generate(prompts, plain), local.generate(prompts, spec)
+    with RayLLM(stories_path, worker_threads=1, **opts) as ray_llm:
+        engine = ray_llm.engine
+        assert engine.relayed
+        got_plain = ray_llm.generate(prompts, plain)
+        assert engine.num_steps > 0 and engine.drafter_client.stats()["num_relayed"] == 0
+        steps = engine.num_steps
+        got_spec = ray_llm.generate(prompts, spec)
+        engine.flush()
+        relayed = engine.drafter_client.stats()["num_relayed"]
+        assert 0 < relayed < engine.num_steps - steps
+        assert engine.speculative.stats.num_draft_tokens > 0
+        draft = engine.drafter_client.stats()
+        assert draft["num_free_blocks"] == draft["num_blocks"] and draft["num_mirrors"] == 0
+    _same(prompts, want_plain, got_plain)
+    _same(prompts, want_spec, got_spec)
 
 
 def test_lookup_aware_adaptive_k_through_the_draft_actor(stories_path: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 
@@ -279,6 +280,36 @@ def test_a_relayed_message_is_answered_to_the_engine() -> None:
         Relay().connect(TOKEN, SHARDS, addresses)  # the shards' relay reaches rank 0 only
     with pytest.raises(ChannelClosed, match="refused"):
         ChannelClient(addresses[0], TOKEN, role=b"?")  # no such role
+
+
+def test_a_relay_reaches_the_draft_and_the_shards_under_one_graph() -> None:
+    """The KV-block manager of a graph with a draft relays to both (``relay.py``): a drafting
+    step to the draft actor, a step nobody drafts in straight to rank 0. Both routes live under
+    one graph's token; connecting under another token (a new graph) drops them all."""
+    from keyserve.actors.relay import DRAFT, SHARDS, Relay
+
+    destinations, addresses = _relay_shards(1)
+    proposed: list = []
+    _, draft = _endpoint(relay_propose=lambda step, batch: proposed.append((step, batch)) or "drafted")
+    relay = Relay()
+    relay.connect(TOKEN, DRAFT, [draft])
+    relay.connect(TOKEN, SHARDS, addresses[:1])
+    assert relay.has(DRAFT) and relay.has(SHARDS) and len(relay.clients) == 2
+    relay.to_shards("plain step")
+    assert gather(destinations, lambda: False, poll_s=10) == [(0, "plain step", None)]
+    relay.to_draft("drafting step", "batch")
+    for _ in range(100):  # the draft's handler runs on its endpoint's thread
+        if proposed:
+            break
+        time.sleep(0.05)
+    assert proposed == [("drafting step", "batch")]
+    old = relay.clients
+    other_token = b"o" * TOKEN_BYTES  # a new graph: its actors listen under its own token
+    other_shard = _new_endpoint().open("127.0.0.1", other_token, {"graph_lead": lambda frame, probs: None})
+    relay.connect(other_token, SHARDS, [other_shard])
+    assert not relay.has(DRAFT) and all(c.fileno() == -1 for c in old)  # closed sockets
+    with pytest.raises(RuntimeError, match="relays to shards, not to the draft"):
+        relay.to_draft("step", "batch")
 
 
 def test_a_relay_that_dies_after_its_send_leaves_no_rank_behind() -> None:

@@ -6,6 +6,10 @@
       --step, draft probs--> target shard rank 0 --step--> the other ranks
       (forward, rank 0 samples and verifies) --output--> driver
 
+A step in which no sequence drafts (adaptive K chose K = 0 for all, prompts, requests without
+speculation) carries no draft batch and goes from the KV-block manager straight to rank 0, as
+in a graph without a draft: such a step costs what plain decoding does.
+
 Rank 0 hands the step to the other ranks itself (``relay.py`` says why: a relay that died
 between two sends left rank 0 alone in a collective).
 
@@ -41,6 +45,7 @@ class ChannelGraph:
         self.key = graph_key(core, workers, draft)
         self.has_draft = draft is not None
         self.poll_s = poll_s
+        self._drafting = False  # the submitted step goes by the draft actor
         self.actors = [core, *([draft] if draft is not None else []), *workers]
         token, addresses = channel_addresses(self.actors)
         self.clients: list[ChannelClient] = []
@@ -51,8 +56,9 @@ class ChannelGraph:
             head = draft if draft is not None else core  # who hands the step to rank 0
             calls = [workers[0].relay_to.remote(token, PEERS, shards[1:]),
                      head.relay_to.remote(token, SHARDS, shards[:1])]  # type: ignore[attr-defined]
-            if draft is not None:
+            if draft is not None:  # the core reaches both: a step nobody drafts in skips the draft actor
                 calls.append(core.relay_to.remote(token, DRAFT, [addresses[1]]))  # type: ignore[attr-defined]
+                calls.append(core.relay_to.remote(token, SHARDS, shards[:1]))  # type: ignore[attr-defined]
             ray.get(calls)
         except BaseException:
             self.teardown()  # an actor lost while connecting: the step that asked diagnoses it
@@ -63,18 +69,23 @@ class ChannelGraph:
         return self.read()
 
     def submit(self, request: object, batch: object | None) -> None:
-        """Send one step's request to the KV-block manager (the engine may read it later)."""
+        """Send one step's request to the KV-block manager (the engine may read it later).
+        Without a draft batch the step skips the draft actor: the KV-block manager hands it to
+        the shards itself, one socket hop and one decode of the step fewer."""
+        self._drafting = self.has_draft and batch is not None
         self.clients[0].send(encode(("relay_step", (request, batch))))
 
     def read(self) -> GraphResult:
         """Every actor's reply to the submitted step (the first failure raises: a closed
-        channel, or an actor's own error)."""
-        replies = gather(self.clients, lambda: alive(self.actors), self.poll_s)
+        channel, or an actor's own error); the draft actor's only if the step went by it."""
+        skipped = self.has_draft and not self._drafting
+        clients = [self.clients[0], *self.clients[2:]] if skipped else self.clients
+        replies = gather(clients, lambda: alive(self.actors), self.poll_s)
         step, answer = replies[0]
         drafts = None
-        if self.has_draft:
+        if self._drafting:
             step, drafts = replies[1]
-        return GraphResult(step, answer, drafts, replies[1 + self.has_draft])
+        return GraphResult(step, answer, drafts, replies[1 + self._drafting])
 
     def teardown(self) -> None:
         for client in self.clients:

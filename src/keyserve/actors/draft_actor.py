@@ -90,6 +90,7 @@ class DraftActor:
         self.incarnation = new_incarnation()
         self.endpoint = ChannelEndpoint(self.compute)  # the plain path's step channel (step_channel.py)
         self.relay = Relay()  # the relayed step's next hop: the shards (channel_graph.py)
+        self.num_relayed = 0  # relayed steps that went by this actor (a step nobody drafts in skips it)
 
     @staticmethod
     def _build(args: DraftActorArgs) -> tuple:
@@ -120,6 +121,7 @@ class DraftActor:
         handed to the shards before the engine gets the drafts and the step."""
         step, probs, drafts = self.graph_propose(step, batch)
         self.relay.to_shards(step, probs)
+        self.num_relayed += 1
         return step, drafts
 
     def node_id(self) -> str:
@@ -216,7 +218,7 @@ class DraftActor:
         with self.endpoint.lock:
             bm = getattr(self.worker, "block_manager", None)  # none with draft="ngram"
             return {"num_blocks": bm.num_blocks if bm else 0, "num_free_blocks": bm.num_free_blocks if bm else 0,
-                    "num_mirrors": len(self.worker.mirrors)}
+                    "num_mirrors": len(self.worker.mirrors), "num_relayed": self.num_relayed}
 
 
 class RemoteDrafter:
@@ -358,6 +360,12 @@ class RemoteDrafter:
         else:
             for seq in targets:
                 self._seen[seq.seq_id] = seq.num_tokens
+
+    @property
+    def has_releases(self) -> bool:
+        """Finished sequences whose shadows and KV the actor still holds (sent with the next
+        proposal, or by ``flush``)."""
+        return bool(self._released)
 
     def release(self, seq: Sequence) -> None:
         """Sent with the next proposal (no round trip of its own)."""

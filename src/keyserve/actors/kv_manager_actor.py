@@ -60,10 +60,11 @@ class KVManagerActor:
         self, request: "CoreRequest", batch: object | None,
     ) -> tuple[StepInput | None, tuple[CoreReply, CoreStats] | None]:
         """The relayed step's first hop: ``graph_step``, the step handed on (with the engine's
-        draft batch, to the draft actor, or to the shards) before the engine gets the answer."""
+        draft batch, to the draft actor; without one, a step nobody drafts in, to the shards)
+        before the engine gets the answer."""
         with self.endpoint.lock:
             step, reply = self._graph_schedule(request)
-            if self.relay.kind == DRAFT:
+            if batch is not None and self.relay.has(DRAFT):
                 self.relay.to_draft(step, batch)
             else:
                 self.relay.to_shards(step)

@@ -231,7 +231,10 @@ class RayEngine(LLMEngine):
         lookahead, multi_step = self._step_lookahead(speculate)
         targets = [self._seqs[seq_id] for seq_id in lookahead] if speculate and lookahead and not multi_step else []
         trees = self.speculative.trees if self.speculative is not None else None
-        batch = drafter.graph_batch(targets, trees) if speculate else None
+        # Relayed, a step nobody drafts in skips the draft actor (``ChannelGraph.submit``),
+        # unless finished sequences' releases wait for it; the compiled graph always has the node.
+        skip = self.relayed and not targets and not (drafter is not None and drafter.has_releases)
+        batch = drafter.graph_batch(targets, trees) if speculate and not skip else None
         request = self.core_client.request(lookahead, multi_step)
         flight = _Flight(batch, targets)
         try:

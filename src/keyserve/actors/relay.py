@@ -48,42 +48,51 @@ def hand_on(peers: Relay, frame: bytes) -> object:
 
 
 class Relay:
-    """An actor's onward connections for relayed steps: to the draft actor, to rank 0 of the
-    shards, or (rank 0's) to the other ranks."""
+    """An actor's onward connections for relayed steps: to the draft actor and/or to rank 0 of
+    the shards (the KV-block manager of a graph with a draft has both: a step nobody drafts in
+    goes straight to the shards), or (rank 0's) to the other ranks. One graph's connections
+    share its token; connecting under a new token (a new graph) drops the old graph's."""
 
     def __init__(self) -> None:
-        self.kind: str | None = None
-        self.clients: list[ChannelClient] = []
+        self.token: bytes | None = None
+        self.routes: dict[str, list[ChannelClient]] = {}
+
+    @property
+    def clients(self) -> list[ChannelClient]:
+        return [client for clients in self.routes.values() for client in clients]
+
+    def has(self, kind: str) -> bool:
+        return kind in self.routes
 
     def connect(self, token: bytes, kind: str, addresses: Sequence[tuple[str, int]]) -> None:
-        """(Re)connect to the next hop's actors (a new graph: new actors, a new token)."""
+        """(Re)connect to the next hop's actors of ``kind`` (a new token: a new graph, new actors)."""
         if kind not in (SHARDS, DRAFT, PEERS):
             raise ValueError(f"unknown relay target {kind!r}")
         if kind != PEERS and len(addresses) != 1:
             raise ValueError(f"a relay to the {kind} connects to one actor (rank 0 for the shards), "
                              f"not {len(addresses)}")
-        for client in self.clients:
+        dropped = self.clients if token != self.token else self.routes.get(kind, [])
+        for client in dropped:
             client.close()
-        self.clients, self.kind = [], None
-        self.clients = [ChannelClient(tuple(a), token, role=RELAY) for a in addresses]
-        self.kind = kind
+        if token != self.token:
+            self.routes, self.token = {}, token
+        self.routes.pop(kind, None)
+        self.routes[kind] = [ChannelClient(tuple(a), token, role=RELAY) for a in addresses]
 
     def to_draft(self, step: object, batch: object) -> None:
-        self._require(DRAFT)
-        self.clients[0].send(encode(("relay_propose", (step, batch))))
+        self._route(DRAFT)[0].send(encode(("relay_propose", (step, batch))))
 
     def to_shards(self, step: object, probs: object = None) -> None:
         """The step to rank 0, which hands it on to the other ranks (``probs``: [num_verify,
         max_draft, vocab], for rank 0 only)."""
-        self._require(SHARDS)
-        self.clients[0].send(lead_message(step, probs))
+        self._route(SHARDS)[0].send(lead_message(step, probs))
 
     def to_peers(self, frame: bytes) -> None:
         """Rank 0: the other ranks' message, as it came."""
-        self._require(PEERS)
-        for client in self.clients:
+        for client in self._route(PEERS):
             client.send(frame)
 
-    def _require(self, kind: str) -> None:
-        if self.kind != kind:
-            raise RuntimeError(f"this actor relays to {self.kind or 'nobody'}, not to the {kind}")
+    def _route(self, kind: str) -> list[ChannelClient]:
+        if kind not in self.routes:
+            raise RuntimeError(f"this actor relays to {' and '.join(self.routes) or 'nobody'}, not to the {kind}")
+        return self.routes[kind]
