@@ -233,8 +233,8 @@ class RayEngine(LLMEngine):
         trees = self.speculative.trees if self.speculative is not None else None
         # Relayed, a step nobody drafts in skips the draft actor (``ChannelGraph.submit``),
         # unless finished sequences' releases wait for it; the compiled graph always has the node.
-        skip = self.relayed and not targets and not (drafter is not None and drafter.has_releases)
-        batch = drafter.graph_batch(targets, trees) if speculate and not skip else None
+        by_draft = speculate and (bool(targets) or drafter.has_releases or not self.relayed)
+        batch = drafter.graph_batch(targets, trees) if by_draft else None
         request = self.core_client.request(lookahead, multi_step)
         flight = _Flight(batch, targets)
         try:

@@ -71,12 +71,11 @@ class Relay:
         if kind != PEERS and len(addresses) != 1:
             raise ValueError(f"a relay to the {kind} connects to one actor (rank 0 for the shards), "
                              f"not {len(addresses)}")
-        dropped = self.clients if token != self.token else self.routes.get(kind, [])
-        for client in dropped:
-            client.close()
+        stale = self.clients if token != self.token else self.routes.pop(kind, [])
         if token != self.token:
             self.routes, self.token = {}, token
-        self.routes.pop(kind, None)
+        for client in stale:
+            client.close()
         self.routes[kind] = [ChannelClient(tuple(a), token, role=RELAY) for a in addresses]
 
     def to_draft(self, step: object, batch: object) -> None:
