@@ -17,7 +17,9 @@ runs a second time with prompt lookup first (``prompt_lookup_max`` N, ``--lookup
 copied from earlier in the sequence where its last n tokens occurred before, the draft model
 elsewhere), on the same engine. With ``--ngram N`` every such row runs again speculating by
 prompt lookup alone (``draft="ngram"``: no draft model; the "keyserve ngram" rows), the engine's
-speculative policy swapped for an ngram one for those runs (``lookup_alone``).
+speculative policy swapped for an ngram one for those runs (``lookup_alone``). With
+``--confidences T`` also fixed-K chains (K from ``--confident-ks``) that end where the draft's own
+distribution peaks below T (``draft_confidence_threshold``), alone and with each lookup.
 
 So that a reader can trust it: every configuration runs the same ``--num-prompts`` prompts
 (16 distinct by default) x ``--max-tokens`` (128); every contender gets an untimed warm-up of
@@ -108,7 +110,9 @@ SECTION_TITLES = {"speculative_ray": "Speculative sampling on the Ray engine: th
                   "speculative_run6": "Speculative sampling with draft run 6, all four targets in one run (issue 19, "
                   "the Zen 5)",
                   "speculative_ray_run6": "Speculative sampling on the Ray engine with draft run 6 (issue 19, the "
-                  "Zen 5)"}
+                  "Zen 5)",
+                  "speculative_confidence": "Speculative sampling: chains that end where the draft doubts "
+                  "(issue 19, the Zen 5)"}
 RAY_TARGETS = {0.0: 1.5}  # issue 19: the Ray engine with the draft actor, batch 1, over its own plain decoding
 
 
@@ -129,6 +133,7 @@ class Row:
     lookup: int = 0  # prompt lookup's largest n-gram (prompt_lookup_max; 0: the draft model alone)
     lookup_drafted: int = 0  # drafts that prompt lookup made (the rest the draft model's)
     lookup_accepted: int = 0  # of them, accepted (the engine's ``SpeculativeDecoder.lookup_stats``)
+    confidence: float = 0.0  # draft_confidence_threshold: chains end where the draft doubts (0: off)
 
     def merged(self, other: "Row") -> "Row":
         """This row and another part of the same round of the same contender, as one."""
@@ -141,7 +146,8 @@ class Row:
     @property
     def contender(self) -> tuple:
         """What the row measures, whatever the round."""
-        return (self.engine, self.adaptive, self.batch, self.temperature, self.k, self.tree, self.lookup)
+        return (self.engine, self.adaptive, self.batch, self.temperature, self.k, self.tree, self.lookup,
+                self.confidence)
 
     @property
     def plain(self) -> bool:
@@ -164,7 +170,7 @@ class Row:
 # ------------------------------------------------------------------------ keyserve
 def keyserve_run(llm, batch: int, temperature: float, k: int, prompts: list[str], max_tokens: int,
                  adaptive: bool = False, tree: str = "", lookup: int = 0, engine: str = "",
-                 ignore_eos: bool = True) -> Row:
+                 ignore_eos: bool = True, confidence: float = 0.0) -> Row:
     from keyserve import SamplingParams
 
     def params(i: int) -> SamplingParams:
@@ -176,7 +182,7 @@ def keyserve_run(llm, batch: int, temperature: float, k: int, prompts: list[str]
         llm.engine.block_manager.reset_prefix_cache()
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     row = Row(engine or ("ray" if ray else "keyserve"), batch, temperature, k, 0, 0.0, adaptive=adaptive, tree=tree,
-              lookup=lookup)
+              lookup=lookup, confidence=confidence)
     drafter = getattr(llm.engine.speculative, "drafter", None)
     looked_before = getattr(drafter, "lookup_tokens", 0)
     copies = getattr(llm.engine.speculative, "lookup_stats", None)
@@ -273,6 +279,23 @@ def prompt_lookup(llm, max_n: int, min_n: int):  # noqa: ANN001, ANN201
         for i, sizes in zip(indexes, before):
             i.sizes = sizes
             i.clear()
+
+
+@contextlib.contextmanager
+def draft_confidence(llm, threshold: float):  # noqa: ANN001, ANN201
+    """The in-process drafter ending its chains where its own distribution peaks below
+    ``threshold`` (``draft_confidence_threshold``) for one run, 0 otherwise: one engine for every
+    keyserve row, as for ``adaptive_k``."""
+    drafter = getattr(llm.engine.speculative, "drafter", None)
+    if not threshold:
+        yield
+        return
+    before = drafter.confidence
+    drafter.confidence = threshold
+    try:
+        yield
+    finally:
+        drafter.confidence = before
 
 
 @contextlib.contextmanager
@@ -580,7 +603,8 @@ class Measured:
         if r.engine == "ngram":  # prompt lookup alone
             return ("adaptive ≤ " if r.adaptive else "") + f"{r.k}, lookup ≤ {r.lookup} alone"
         lookup = f" + lookup ≤ {r.lookup}" if r.lookup else ""
-        return ("adaptive ≤ " + str(r.k) if r.adaptive else str(r.k or "off")) + lookup
+        doubt = f", conf ≥ {r.confidence:g}" if r.confidence else ""
+        return ("adaptive ≤ " + str(r.k) if r.adaptive else str(r.k or "off")) + doubt + lookup
 
 
 def aggregate(rows: list[Row]) -> dict[tuple, Measured]:
@@ -649,7 +673,7 @@ def render(rows: list[Row], meta: dict) -> str:
         plain, ad = base[(batch, temp)], adaptive.get((batch, temp))
         hf, hf_plain = (hf_best.get(temp), theirs.get((temp, 0))) if batch == 1 else (None, None)
         summary.append([
-            batch, temp, f"{plain:.1f}", f"{m.label if m.first.tree or m.first.lookup else 'K=' + str(m.first.k)}: {m.median:.1f}",
+            batch, temp, f"{plain:.1f}", f"{m.label if m.first.tree or m.first.lookup or m.first.confidence else 'K=' + str(m.first.k)}: {m.median:.1f}",
             f"{m.median / plain:.2f}×",
             f"{ad.label}: {ad.median:.1f} ({ad.median / plain:.2f}×)" if ad else "–",
             f"{hf_plain.median:.1f}" if hf_plain else "–",
@@ -671,7 +695,7 @@ def render(rows: list[Row], meta: dict) -> str:
             verdicts.append(f"adaptive K ({each.label}) never slower than plain, batch {batch}, T = {temp}: "
                             f"**{'met' if each.median >= plain else 'NOT met'}** ({each.median / plain:.2f}×, "
                             f"rounds {each.spread} tok/s against plain "
-                            f"{agg[('keyserve', False, batch, temp, 0, '', 0)].spread})")
+                            f"{agg[('keyserve', False, batch, temp, 0, '', 0, 0.0)].spread})")
     for temp in sorted({m.first.temperature for m in ray_rows}):
         plain = ray_base.get((1, temp))
         spec = [m for m in ray_rows if (m.first.k or m.first.tree) and m.first.batch == 1 and m.first.temperature == temp]
@@ -821,6 +845,12 @@ def main() -> None:
     ap.add_argument("--ngram", type=int, nargs="*", default=[],
                     help="also every in-process chain row (fixed and adaptive K) speculating by prompt lookup "
                          "alone, no draft model (draft='ngram'), n-grams up to each of these")
+    ap.add_argument("--confidences", type=float, nargs="*", default=[],
+                    help="also in-process chains that end where the draft's own distribution peaks below each "
+                         "of these (draft_confidence_threshold), at each of --confident-ks, alone and with each "
+                         "--lookups")
+    ap.add_argument("--confident-ks", type=int, nargs="*", default=[],
+                    help="the K (the chain's cap) of the --confidences rows (default: --ks)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--draft", default="default",
                     help="the draft model: the committed one ('default') or a draft directory (e.g. an earlier "
@@ -918,7 +948,8 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     start, load_before = time.perf_counter(), _load_avg()
-    llm = LLM(draft=args.draft, num_speculative_tokens=max(args.ks), max_num_seqs=max(args.batches))
+    llm = LLM(draft=args.draft, num_speculative_tokens=max([*args.ks, *args.confident_ks]),
+              max_num_seqs=max(args.batches))
     tok = llm.tokenizer
     path = str(llm.engine.loaded.path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -949,15 +980,20 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
     # Prompt lookup alone (draft="ngram"): each in-process chain row with the lookup as the drafter
     configs += [("ngram", *c[1:6], n) for n in args.ngram for c in list(configs)
                 if c[0] == "keyserve" and c[4] and not c[5] and not c[6]]
+    # Chains that end where the draft doubts (draft_confidence_threshold): fixed K at each of
+    # --confident-ks, alone and with each lookup
+    configs = [(*c, 0.0) for c in configs]
+    configs += [("keyserve", False, b, t, k, "", n, conf) for conf in args.confidences for t in args.temperatures
+                for b in args.batches for k in (args.confident_ks or args.ks) for n in [0, *args.lookups]]
     # Interleave engines so slow drift of the machine's load hits every contender alike.
-    configs.sort(key=lambda c: (c[3], c[4], c[5], c[6], c[2], c[0], c[1]))
+    configs.sort(key=lambda c: (c[3], c[4], c[5], c[6], c[7], c[2], c[0], c[1]))
 
     ignore_eos = not args.stop_at_eos
 
     def run(config: tuple, num_prompts: int, max_tokens: int, part: tuple[int, int] = (0, 1)) -> Row | None:
         """One configuration over its prompts' batches number part[0], part[0] + part[1], ...
         (all of them by default); None when that part holds none."""
-        engine, adaptive, batch, temp, k, tree, lookup = config
+        engine, adaptive, batch, temp, k, tree, lookup, confidence = config
         n = -(-max(num_prompts, batch) // batch) * batch
         mine = [start for j, start in enumerate(range(0, n, batch)) if j % part[1] == part[0]]
         if not mine:
@@ -965,9 +1001,10 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
         prompts = [PROMPTS[i % len(PROMPTS)] for start in mine for i in range(start, start + batch)]
         with torch.inference_mode():
             if engine == "keyserve":
-                with adaptive_k(llm, adaptive), tree_shape(llm, tree), prompt_lookup(llm, lookup, args.lookup_min):
+                with adaptive_k(llm, adaptive), tree_shape(llm, tree), prompt_lookup(llm, lookup, args.lookup_min), \
+                        draft_confidence(llm, confidence):
                     return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive, tree, lookup,
-                                        ignore_eos=ignore_eos)
+                                        ignore_eos=ignore_eos, confidence=confidence)
             if engine == "ngram":
                 with lookup_alone(llm, lookup, args.lookup_min), adaptive_k(llm, adaptive):
                     return keyserve_run(llm, batch, temp, k, prompts, max_tokens, adaptive, "", lookup, "ngram",
@@ -1004,7 +1041,8 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], dict]:
             r.repeat = rnd
             rows.append(r)
             tqdm.write(f"{r.engine:12s}{' adaptive' if r.adaptive else ''} batch {r.batch} T={r.temperature} "
-                       f"K={r.k}{' tree ' + r.tree if r.tree else ''}{' lookup ' + str(r.lookup) if r.lookup else ''}: "
+                       f"K={r.k}{' tree ' + r.tree if r.tree else ''}{' lookup ' + str(r.lookup) if r.lookup else ''}"
+                       f"{' conf ' + str(r.confidence) if r.confidence else ''}: "
                        f"{r.tok_s:6.1f} tok/s acceptance {r.acceptance if r.acceptance is not None else '-'}")
     for ray_llm in rays.values():
         ray_llm.shutdown()

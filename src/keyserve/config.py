@@ -153,6 +153,14 @@ class SpeculativeConfig(_Strict):
         description="Cost of one draft forward / one target forward: adaptive K's prior until it "
         "has measured steps; default: the ratio of their weight bytes.",
     )
+    draft_confidence_threshold: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description="A sequence's chain of drafts ends where the draft's own distribution gives its "
+        "likeliest token less than this probability (transformers' assistant_confidence_threshold): "
+        "the target verifies only the drafts before it, so a step spends no draft forwards and target "
+        "rows on tokens the draft itself doubts. Output stays the target's. 0: every sequence drafts K. "
+        "Chains only (not trees, not prompt lookup's copies).",
+    )
     speculative_by_default: bool = Field(
         True, description="Requests that do not say use speculation when a draft is loaded."
     )

@@ -84,12 +84,17 @@ def test_ngram_alone_greedy_equals_target_for_every_k(target: LLM, stories_path:
             assert b.token_ids == a.token_ids, f"K={k}"
         assert sum(o.stats.spec_accepted_tokens for o in outs) > 0
     spec = llm.engine.speculative
-    assert spec.lookup_stats == spec.stats and spec.stats.num_draft_tokens == drafter.lookup_tokens > 0
-    # the steps without a match are counted (adaptive K weighs them: record_misses); every
-    # speculating step either verified copies or missed
+    copies, every = spec.lookup_stats, spec.stats
+    assert (copies.num_draft_tokens, copies.num_accepted_tokens, copies.num_rejections) == (
+        every.num_draft_tokens, every.num_accepted_tokens, every.num_rejections)
+    assert every.num_draft_tokens == drafter.lookup_tokens > 0
+    # the steps without a match are counted (record_misses), in the engine's tokens per forward
+    # as one token each; every speculating step either verified copies or missed
     steps = sum(o.stats.generated_tokens for o in outs)
     assert 0 < spec.num_misses and spec.num_misses + drafter.lookup_proposals >= steps // 6
-    assert spec.stats.mean_tokens_per_forward > 1.5
+    assert every.num_steps == copies.num_steps + spec.num_misses
+    assert every.num_emitted_tokens == copies.num_emitted_tokens + spec.num_misses
+    assert copies.mean_tokens_per_forward > 1.5
     assert not drafter.lookup_index.indexes  # released with their sequences
 
 
@@ -162,8 +167,12 @@ def test_sampled_with_top_k_top_p_equals_target_exactly(stories_path: str, draft
     assert drafter.lookup_proposals > n // 4  # half the first speculative steps drafted by lookup
     stats = llm.engine.speculative.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    if ngram:
-        assert llm.engine.speculative.lookup_stats == stats
+    if ngram:  # every draft a copy; the engine's steps also count the misses (record_misses)
+        spec = llm.engine.speculative
+        copies = spec.lookup_stats
+        assert (copies.num_draft_tokens, copies.num_accepted_tokens) == (stats.num_draft_tokens,
+                                                                         stats.num_accepted_tokens)
+        assert stats.num_steps == copies.num_steps + spec.num_misses
     counts = Counter((o.token_ids[0], o.token_ids[1]) for out in outs for o in out.outputs)
     assert sum(counts.values()) == n
     exact = _exact_first_two(stories_path, prompt, params)

@@ -240,13 +240,18 @@ def test_a_model_step_after_copies_is_a_catch_up() -> None:
 
 def test_misses_are_counted_and_change_no_estimate() -> None:
     """A sequence that reserved draft slots and got none (fixed K with ngram: no match; a
-    draft model: its pool full) is counted, and no acceptance estimate moves (adaptive K
-    asks for copies only where a match exists)."""
+    draft model: its pool full, or unsure of its first draft) is counted, as a target forward
+    of one token in the engine's and its request's tokens per forward, and no acceptance
+    estimate moves (adaptive K asks for copies only where a match exists)."""
     policy, seq = _policy(k=2), _seqs(1)[0]
-    policy.record_misses(3)
+    policy.record(seq.request_id, seq.seq_id, 2, 2)  # one verification: 3 tokens
+    policy.record_misses([seq.request_id, seq.request_id, "other"])
     assert policy.num_misses == 3
-    assert policy._engine_alpha.tested == policy._engine_copy_alpha.tested == 0.0
-    assert policy.stats.num_draft_tokens == 0 and seq.seq_id not in policy._adaptive
+    assert policy._engine_alpha.tested == 2.0 and policy._engine_copy_alpha.tested == 0.0
+    assert policy.stats.num_draft_tokens == 2 and policy.stats.num_steps == 4
+    assert policy.stats.mean_tokens_per_forward == 6 / 4
+    assert policy.request_stats[seq.request_id].mean_tokens_per_forward == 5 / 3
+    assert policy.request_stats["other"].mean_tokens_per_forward == 1.0
 
 class _TreeDrafter:
     """What the policy reads of a drafter: whether it drafts trees (no model behind it)."""

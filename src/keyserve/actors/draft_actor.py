@@ -47,6 +47,7 @@ class DraftActorArgs:
     max_model_len: int | None = None
     draft_dtype: str = "auto"  # SpeculativeConfig.draft_dtype (build.resolve_draft_dtype)
     lookup: tuple[int, int] | None = None  # prompt lookup's n-gram sizes (drafter.draft_lookup)
+    confidence: float = 0.0  # SpeculativeConfig.draft_confidence_threshold
 
 
 @dataclass
@@ -101,6 +102,7 @@ class DraftActor:
         return build.build_drafter(
             args.draft, args.budget, target, args.num_blocks, args.block_size, dtype, device,
             graph_rows=args.graph_rows, max_model_len=args.max_model_len, lookup=args.lookup,
+            confidence=args.confidence,
         )
 
     def ready(self) -> tuple[str, int]:

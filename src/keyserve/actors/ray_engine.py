@@ -123,7 +123,8 @@ class RayEngine(LLMEngine):
                                         num_blocks, block_size, config.seed, draft_budget(config.spec),
                                         graph_rows=rows, max_model_len=max_model_len,
                                         draft_dtype=config.spec.draft_dtype,
-                                        lookup=draft_lookup(config.spec))
+                                        lookup=draft_lookup(config.spec),
+                                        confidence=config.spec.draft_confidence_threshold)
         tokenizer = self._start_actors(config, num_blocks, max_model_len, model_dir, draft_args,
                                        gpus if draft_args else 0.0)
         speculative = None

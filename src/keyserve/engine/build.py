@@ -229,11 +229,13 @@ def build_drafter(
     graph_rows: int = 0,
     max_model_len: int | None = None,
     lookup: tuple[int, int] | None = None,
+    confidence: float = 0.0,
 ) -> tuple[Drafter | LookupDrafter, int]:
     """The draft model with its own KV pool (as many token slots as the target's) and block
     manager; returns the drafter and the draft's weight bytes. ``graph_rows``/``max_model_len``:
     CUDA graphs of its decode steps, as ``build_runner``'s (its K forwards are decode steps);
-    ``lookup``: prompt lookup's n-gram sizes (``drafter.draft_lookup``), None for off.
+    ``lookup``: prompt lookup's n-gram sizes (``drafter.draft_lookup``), None for off;
+    ``confidence``: ``SpeculativeConfig.draft_confidence_threshold``.
     ``draft="ngram"``: the ``LookupDrafter`` (prompt lookup alone, no weights)."""
     vocab = target.config.vocab_size
     if draft in LOOKUP_ONLY_DRAFTS:
@@ -245,7 +247,7 @@ def build_drafter(
         raise ValueError(f"draft vocabulary ({loaded.config.vocab_size}) differs from the target's ({vocab})")
     runner = build_runner(loaded.model, num_blocks, block_size, dtype, device, graph_rows=graph_rows,
                           max_model_len=max_model_len)
-    worker = Drafter(runner, BlockManager(num_blocks, block_size, True), vocab, budget, lookup)
+    worker = Drafter(runner, BlockManager(num_blocks, block_size, True), vocab, budget, lookup, confidence)
     return worker, weight_bytes(loaded.model)
 
 
@@ -316,6 +318,7 @@ def build_local_parts(config: EngineConfig, loaded: LoadedModel | None = None) -
             config.spec.draft, draft_budget(config.spec), loaded, num_blocks, block_size,
             resolve_draft_dtype(config.spec.draft_dtype, dtype, device.type), device,
             graph_rows=rows, max_model_len=max_model_len, lookup=draft_lookup(config.spec),
+            confidence=config.spec.draft_confidence_threshold,
         )
         cost = draft_cost_ratio(config.spec, draft_bytes, weight_bytes(loaded.model))
         speculative = SpeculativeDecoder(drafter, config.spec, cost)

@@ -26,6 +26,24 @@ from keyserve.engine.model_runner import ModelInputs, ModelRunner, pad_tables
 from keyserve.kernels.metadata import AttentionMetadata
 
 
+def _head_logits(
+    runner: ModelRunner,
+    inputs: ModelInputs,
+    rows: list[int],  # the token rows whose next-token logits are wanted
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # [len(rows), head or vocab] logits, head ids
+    """One forward; each of ``rows``' logits over a pruned head's own tokens (with its ids,
+    ascending) or, under CUDA graphs or with a full head, over the whole vocabulary (ids None)."""
+    model = runner.model
+    head_ids: torch.Tensor | None = getattr(model, "head_token_ids", None)
+    if runner.graphs is not None or head_ids is None:  # CUDA graphs, or a full head: the runner's way
+        logits, _ = runner.forward_logits(inputs, rows)
+        assert logits is not None
+        return logits, None
+    index = torch.tensor(rows, dtype=torch.int64, device=inputs.input_ids.device)
+    hidden, _ = model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, index)
+    return model.compute_head_logits(hidden), head_ids  # type: ignore[operator]
+
+
 def greedy_tokens(
     runner: ModelRunner,
     inputs: ModelInputs,
@@ -34,15 +52,28 @@ def greedy_tokens(
     """One forward; the argmax token of each of ``rows``. A pruned head (``compute_head_logits``
     and ``head_token_ids``, ascending) is argmaxed over its own tokens: the same first maximum as
     over the full vocabulary, where every other token is ``-inf``."""
-    model = runner.model
-    head_ids: torch.Tensor | None = getattr(model, "head_token_ids", None)
-    if runner.graphs is not None or head_ids is None:  # CUDA graphs, or a full head: the runner's way
-        logits, _ = runner.forward_logits(inputs, rows)
-        assert logits is not None
-        return row_argmax(logits)
-    index = torch.tensor(rows, dtype=torch.int64, device=inputs.input_ids.device)
-    hidden, _ = model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, index)
-    return head_ids[row_argmax(model.compute_head_logits(hidden))]  # type: ignore[operator]
+    logits, head_ids = _head_logits(runner, inputs, rows)
+    drawn = row_argmax(logits)
+    return drawn if head_ids is None else head_ids[drawn]
+
+
+def confident_greedy_tokens(
+    runner: ModelRunner,
+    inputs: ModelInputs,
+    rows: list[int],  # the token rows whose next token is wanted
+) -> tuple[torch.Tensor, torch.Tensor]:  # [len(rows)] int64 argmax ids, [len(rows)] float32 their probability
+    """``greedy_tokens`` and the draft's probability of each (``max_probability``): what a
+    confidence threshold stops a chain on."""
+    logits, head_ids = _head_logits(runner, inputs, rows)
+    drawn = row_argmax(logits)
+    return (drawn if head_ids is None else head_ids[drawn]), max_probability(logits)
+
+
+def max_probability(logits: torch.Tensor) -> torch.Tensor:  # [n, vocab] -> [n] float32
+    """Each row's largest softmax probability at temperature 1: the draft's confidence in its
+    own argmax (tokens outside a pruned head are ``-inf``, probability 0)."""
+    logits = logits.float()
+    return torch.exp(logits.amax(-1) - torch.logsumexp(logits, -1))
 
 
 def top_tokens(
@@ -56,15 +87,9 @@ def top_tokens(
     function's argmax."""
     if k == 1:
         return greedy_tokens(runner, inputs, rows)[:, None]
-    model = runner.model
-    head_ids: torch.Tensor | None = getattr(model, "head_token_ids", None)
-    if runner.graphs is not None or head_ids is None:
-        logits, _ = runner.forward_logits(inputs, rows)
-        assert logits is not None
-        return torch.topk(logits, k, dim=-1).indices
-    index = torch.tensor(rows, dtype=torch.int64, device=inputs.input_ids.device)
-    hidden, _ = model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, index)
-    return head_ids[torch.topk(model.compute_head_logits(hidden), k, dim=-1).indices]  # type: ignore[index]
+    logits, head_ids = _head_logits(runner, inputs, rows)
+    ranked = torch.topk(logits, k, dim=-1).indices
+    return ranked if head_ids is None else head_ids[ranked]
 
 
 def tree_level_inputs(

@@ -39,7 +39,14 @@ from keyserve.core.kv_policy import KVBudget
 from keyserve.core.sampler import SamplingTensors, inverse_cdf, make_generator, processed_probs, row_argmax, row_uniforms
 from keyserve.core.sequence import Sequence
 from keyserve.engine.kv_budget.resolve import resolve_budget
-from keyserve.engine.draft_chain import greedy_tokens, next_decode_inputs, top_tokens, tree_level_inputs
+from keyserve.engine.draft_chain import (
+    confident_greedy_tokens,
+    greedy_tokens,
+    max_probability,
+    next_decode_inputs,
+    top_tokens,
+    tree_level_inputs,
+)
 from keyserve.core.spec_tree import node_depths, tree_masks
 from keyserve.engine.model_runner import ModelInputs, ModelRunner
 from keyserve.engine.lookup_drafter import LookupIndexes, copied_rows, point_masses
@@ -83,6 +90,7 @@ class Drafter:
         vocab_size: int,
         budget: DraftBudget | None = None,
         lookup: tuple[int, int] | None = None,
+        confidence: float = 0.0,
     ) -> None:
         self.runner = runner
         self.block_manager = block_manager
@@ -98,6 +106,10 @@ class Drafter:
         # Prompt lookup (core/prompt_lookup.py): n-gram sizes, each target sequence's index, and
         # how many chain proposals (sequence-steps) and tokens it made instead of the model.
         self.lookup_index = LookupIndexes(lookup)
+        # A chain ends where the draft's own distribution puts less than this on its likeliest
+        # token (``SpeculativeConfig.draft_confidence_threshold``): that token and any after it are not
+        # proposed. 0: every sequence drafts its K.
+        self.confidence = confidence
         # Greedy unbudgeted forwards skip the runner's execute (``draft_chain.py``); False runs
         # every forward through it (the reference the chained path is tested against).
         self.chained = True
@@ -394,7 +406,7 @@ class Drafter:
             batch = [i for i, _ in rows]
             if self.chained and st_all.all_greedy and not any(targets[i].seq_id in self.mirror_budgets for i in batch):
                 # no distribution needed (verification compares argmaxes), no budget to plan
-                drawn, chain = self._greedy_forward(mirrors, targets, rows, len(decode), step, chain)
+                drawn, confident, chain = self._greedy_forward(mirrors, targets, rows, len(decode), step, chain)
             else:
                 chain = None
                 step_input = self._step_input([(mirrors[i], targets[i], n) for i, n in rows], len(decode), step)
@@ -404,32 +416,45 @@ class Drafter:
                 logits = torch.cat([result.logits[mirrors[i].seq_id] for i in batch])  # [n, vocab]
                 if st_all.all_greedy:
                     drawn = row_argmax(logits)
+                    confident = self._confident(max_probability(logits)) if self.confidence else None
                 else:
                     st = SamplingTensors.from_params([targets[i].params for i in batch], logits.device)
                     p = processed_probs(logits, st)  # [n, vocab]
                     gens = [self.generators[targets[i].seq_id] for i in batch]
                     drawn = inverse_cdf(p, row_uniforms(gens, p.device))
+                    # the distribution's own peak, not the drawn token's probability: stopping
+                    # must not depend on which token was drawn, or the proposals would no longer
+                    # be distributed as ``probs`` says and verification would not be exact
+                    confident = self._confident(p.amax(-1)) if self.confidence else None
                     if probs is None:
                         probs = torch.zeros(b, k_max, p.shape[-1], dtype=torch.float32, device=p.device)
                     probs[torch.tensor(batch, device=p.device), step] = p  # one copy for the batch
-            for i, token in zip(batch, drawn.tolist()):
+            stopped = set()
+            for r, (i, token) in enumerate(zip(batch, drawn.tolist())):
                 m = mirrors[i]
                 m.num_computed_tokens = m.num_tokens
                 if targets[i].seq_id in self.mirror_budgets and m.kv_slot_cap is None:
                     self._compact(targets[i].seq_id, m)
+                if confident is not None and not confident[r]:
+                    stopped.add(i)  # the chain ends before this token
+                    continue
                 tokens[i, step] = token
                 proposed[i] += 1
                 m.output_token_ids.append(token)
-            active = [i for i in batch if proposed[i] < num_draft[i]]
+            active = [i for i in batch if proposed[i] < num_draft[i] and i not in stopped]
         if looked_up and not st_all.all_greedy:  # a copied token is a point mass: p = 1 there
             probs = point_masses(probs, looked_up, tokens, proposed, self.vocab_size, self.runner.device)
         return Proposal(tokens, probs, torch.tensor(proposed, dtype=torch.int64),
                         copied=copied_rows(b, looked_up))
 
+    def _confident(self, peak: torch.Tensor) -> list[bool]:  # [n] float32 -> n
+        """Whether each row's draft distribution peaks at ``confidence`` or above."""
+        return (peak >= self.confidence).tolist()
+
     def _greedy_forward(
         self, mirrors: list[Sequence], targets: list[Sequence], rows: list[tuple[int, int]],
         num_decode: int, step: int, chain: _Chain | None,
-    ) -> tuple[torch.Tensor, _Chain | None]:  # [len(rows)] int64 drawn tokens, the next chain
+    ) -> tuple[torch.Tensor, list[bool] | None, _Chain | None]:  # [len(rows)] int64 drawn, confident, next chain
         """A greedy forward of unbudgeted mirrors (``draft_chain.py``): over the same one-token
         rows as the last forward, its inputs one position on; else packed from a ``StepInput``.
         Either way no ``execute`` and no full-vocabulary logits."""
@@ -446,8 +471,14 @@ class Drafter:
             assert packed is not None
             inputs = packed
         last = inputs.last_token_index
-        drawn = greedy_tokens(runner, inputs, [last[mirrors[i].seq_id] for i in batch])
-        return drawn, (_Chain(inputs, batch, tables, drawn) if one_token else None)
+        wanted = [last[mirrors[i].seq_id] for i in batch]
+        confident = None
+        if self.confidence:
+            drawn, peak = confident_greedy_tokens(runner, inputs, wanted)
+            confident = self._confident(peak)
+        else:
+            drawn = greedy_tokens(runner, inputs, wanted)
+        return drawn, confident, (_Chain(inputs, batch, tables, drawn) if one_token else None)
 
 
 @dataclass

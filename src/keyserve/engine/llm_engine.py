@@ -466,7 +466,7 @@ class LLMEngine:
         if self.speculative is not None and not step.multi_step:  # asked for drafts, got none
             missed = [it for it in items if it.num_lookahead and not it.draft_token_ids]
             if missed:
-                self.speculative.record_misses(len(missed))
+                self.speculative.record_misses([owner[it.seq_id].request_id for it in missed])
         for item in items:
             # a verified draft run, or a multi-step round (core/multi_step.py) committed alike
             verifies = bool(item.draft_token_ids) or item.seq_id in out.num_accepted

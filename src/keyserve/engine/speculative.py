@@ -320,14 +320,20 @@ class SpeculativeDecoder:
         else:
             self.adapt(seq_id, num_draft, num_accepted, copy=copied)
 
-    def record_misses(self, count: int) -> None:
-        """Sequences that reserved draft slots and got no drafts this step: with fixed K and
-        ``draft="ngram"``, prompt lookup finding no match; with a draft model, its pool full.
-        Counted only: adaptive K asks for drafts where the lookup has a match (the copy arm),
-        so a step without one no longer reaches it (it once counted as a first draft rejected,
-        which kept ngram from drafting at batch 8 but made it too cautious at batch 1: 0.99x
-        plain decoding where fixed K = 3 made 1.15x)."""
-        self.num_misses += count
+    def record_misses(self, request_ids: list[str]) -> None:
+        """Sequences (one entry per sequence, its request's id) that reserved draft slots and
+        got no drafts this step: with fixed K and ``draft="ngram"``, prompt lookup finding no
+        match; with a draft model, its pool full or its confidence below
+        ``draft_confidence_threshold`` at the first draft. Each is a target forward that
+        emitted one token, so it counts in tokens per forward (engine and request statistics)
+        as a verification of zero drafts; adaptive K does not see it: it asks for drafts where
+        the lookup has a match (the copy arm), so a step without one no longer reaches it (it
+        once counted as a first draft rejected, which kept ngram from drafting at batch 8 but
+        made it too cautious at batch 1: 0.99x plain decoding where fixed K = 3 made 1.15x)."""
+        self.num_misses += len(request_ids)
+        for request_id in request_ids:
+            self.stats.update([0], [0])
+            self.request_stats.setdefault(request_id, AcceptanceStats()).update([0], [0])
 
     def prior_alpha(self, tree: bool = False, copy: bool = False) -> float:
         """Every sequence's prior acceptance (re-read each step): this engine's recent
