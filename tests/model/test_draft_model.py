@@ -26,7 +26,7 @@ from keyserve.model.draft_model import (
 )
 from keyserve.model.llama import LlamaForCausalLM
 from keyserve.model.loader import LoadedModel, load_model, load_vocab
-from keyserve.training.acceptance import simulate_greedy, simulate_tree, tree_nodes
+from keyserve.training.acceptance import calibration, simulate_confident, simulate_greedy, simulate_tree, tree_nodes
 from keyserve.training.dense import DenseLlama
 from keyserve.training.distill import DistillOptions, _split, distill_draft, init_layer_ids
 from keyserve.training.export import export_draft
@@ -123,6 +123,29 @@ def test_simulated_greedy_speculation_counts_tokens_per_forward() -> None:
     assert simulate_greedy([True, True, True, False, True], 2) == pytest.approx(5 / 3)
     assert simulate_greedy([False] * 4, 3) == 1.0  # every forward yields only its own token
     assert simulate_greedy([True] * 6, 5) == 6.0  # one forward: five drafts and the bonus
+
+
+def test_simulated_confident_chains_stop_where_the_draft_doubts() -> None:
+    agree = [True, True, True, False, True, True]
+    peaks = [0.9, 0.8, 0.2, 0.9, 0.9, 0.1]
+    # threshold 0: the plain chain (K = 3: accept positions 0-2, the target's own token at 3
+    # -> pos 4; accept 4 and 5 -> done): 2 forwards, 3 + 2 drafts
+    assert simulate_confident(agree, peaks, 3, 0.0) == (pytest.approx(5 / 2), pytest.approx(6 / 2))
+    assert simulate_confident(agree, peaks, 3, 0.0)[1] == pytest.approx(simulate_greedy(agree, 3))
+    # threshold 0.5: the chain stops before position 2 (peak 0.2): 2 drafts + 1 -> pos 3;
+    # position 3 is drafted and rejected (+1) -> pos 4; positions 4 drafted and accepted, 5
+    # doubted: 1 draft + 1 -> pos 6. Three forwards, 2 + 1 + 1 drafts.
+    assert simulate_confident(agree, peaks, 3, 0.5) == (pytest.approx(4 / 3), pytest.approx(6 / 3))
+    assert simulate_confident(agree, peaks, 3, 1.0) == (0.0, 1.0)  # never sure: one token per forward
+
+
+def test_calibration_bins_the_draft_peaks() -> None:
+    bins = calibration([True, False, True, True], [0.1, 0.3, 0.35, 1.0])
+    assert bins["0.0-0.2"] == (0.25, 1.0)
+    assert bins["0.2-0.4"] == (0.5, 0.5)
+    assert bins["0.9-1.0"] == (0.25, 1.0)  # a peak of exactly 1 lands in the last bin
+    assert bins["0.4-0.6"] == (0.0, 0.0)
+    assert sum(share for share, _ in bins.values()) == pytest.approx(1.0)
 
 
 def test_simulated_tree_counts_tokens_per_forward() -> None:
@@ -462,3 +485,51 @@ def test_train_dtype_is_checked_and_recorded(stories_path: str, tmp_path: Path) 
     assert training["options"]["train_dtype"] == "bfloat16"
     assert "--train-dtype bfloat16" in training["command"]
     assert training["loss_last"] < training["loss_first"]
+
+
+def test_argmax_loss_is_the_cross_entropy_at_the_targets_argmax() -> None:
+    from keyserve.training.batches import argmax_loss
+
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 3.0], [1.0, 1.0, 1.0]])  # [3 positions, 3 draft tokens]
+    # the target's top-2 per position as draft indices (-1: a token the draft lacks) and their
+    # log-probabilities, not in rank order (the argmax is found, not assumed first)
+    idx = torch.tensor([[1, 0], [2, 1], [-1, 0]])
+    lp = torch.tensor([[-2.0, -0.2], [-0.1, -3.0], [-0.3, -1.5]])
+    logp = torch.log_softmax(logits, -1)
+    # position 0: argmax is draft token 0; position 1: token 2; position 2's argmax is not in
+    # the draft's vocabulary (left out, not replaced by its runner-up)
+    want = -(logp[0, 0] + logp[1, 2]) / 2
+    assert float(argmax_loss(logits, idx, lp)) == pytest.approx(float(want))
+    assert float(argmax_loss(logits[2:], idx[2:], lp[2:])) == 0.0
+
+
+def test_argmax_weight_adds_the_argmax_term_to_the_step(target: LoadedModel, stories_path: str,
+                                                        tmp_path: Path) -> None:
+    """``--argmax-weight w``: the step's loss is the KL + w x the argmax cross-entropy (its
+    gradient moves with it); the option is checked and recorded."""
+    from keyserve.training.batches import argmax_loss, distill_loss, make_batch
+    from keyserve.training.train import _train_step
+
+    torch.manual_seed(0)
+    job = GenerationJob([[1, 5, 9, 13], [1, 7, 2]], [1.0, 1.0], [0, 1], 12, set(), top_k=8, seed=3)
+    answers: list[Answer] = []
+    generate_answers(DenseLlama.from_serving(target.model), job, float("inf"), answers.extend)
+    data = TeacherData.from_answers(answers, 8)
+    head_ids = data.topk_ids.long().unique()
+    head_map = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
+    head_map[head_ids] = torch.arange(head_ids.numel())
+    model = DenseLlama.from_serving(target.model, [0, 4], head_ids, trainable=True)
+    model.set_dropout(0.0)
+    batch = make_batch(data, [0, 1], head_map)
+    with torch.no_grad():
+        logits = model.logits(model(batch.input_ids, batch.positions)[batch.rows, batch.cols])
+        kl = float(distill_loss(logits, batch.teacher_idx, batch.teacher_lp))
+        ce = float(argmax_loss(logits, batch.teacher_idx, batch.teacher_lp))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    assert _train_step(model, opt, batch, 0.0, 1e9) == pytest.approx(kl, rel=1e-5)
+    assert _train_step(model, opt, batch, 0.0, 1e9, argmax_weight=0.5) == pytest.approx(kl + 0.5 * ce, rel=1e-5)
+    with pytest.raises(ValueError, match="--argmax-weight must be a number >= 0"):
+        DistillOptions(out=str(tmp_path / "x"), argmax_weight=-1.0)
+    _distill(stories_path, tmp_path / "run", "--steps", "4", "--argmax-weight", "0.5")
+    training = _meta(tmp_path / "run")["training"]
+    assert training["options"]["argmax_weight"] == 0.5 and "--argmax-weight 0.5" in training["command"]

@@ -121,16 +121,20 @@ def test_plain_and_kv_budgets_equal_in_process(stories_path: str) -> None:
     assert any(o.stats.kv_tokens_evicted for o in got)
 
 
-@pytest.mark.parametrize("draft_kv_policy,target_budgets,tree,lookup", [
-    (None, False, None, 0),
-    ("h2o", False, None, 0),  # a budgeted draft (h2o: deterministic)
+@pytest.mark.parametrize("draft_kv_policy,target_budgets,tree,lookup,confidence", [
+    (None, False, None, 0, 0.0),
+    ("h2o", False, None, 0, 0.0),  # a budgeted draft (h2o: deterministic)
     # budgeted targets speculating: spare slots, settled on every rank; prompt lookup in the
     # draft actor (the draft counts below differ if the actor drafted by model alone)
-    (None, True, None, 3),
-    (None, True, "2x2", 0),  # trees of drafts from the draft actor, chains for the budgeted requests
+    (None, True, None, 3, 0.0),
+    (None, True, "2x2", 0, 0.0),  # trees of drafts from the draft actor, chains for the budgeted requests
+    # chains that end where the draft doubts, in the actor (the draft counts below differ if
+    # the actor drafted every K)
+    (None, False, None, 0, 0.3),
 ])
 def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_kv_policy: str | None,
-                                       target_budgets: bool, tree: str | None, lookup: int) -> None:
+                                       target_budgets: bool, tree: str | None, lookup: int,
+                                       confidence: float) -> None:
     prompts = _prompts(32, seed=2)
     params = [_params(i, num_speculative_tokens=1 + i % 4) for i in range(32)]
     if target_budgets:  # the score-based and score-free policies whose noise is not random
@@ -140,11 +144,12 @@ def test_speculative_equals_in_process(stories_path: str, draft_dir: str, draft_
                                                      kv_budget=0.5))
     opts = dict(OPTIONS, draft=draft_dir, draft_kv_policy=draft_kv_policy,
                 draft_kv_budget=0.5 if draft_kv_policy else None, speculative_tree=tree,
-                prompt_lookup_max=lookup)
+                prompt_lookup_max=lookup, draft_confidence_threshold=confidence)
     local = LLM(stories_path, **opts)
     want = local.generate(prompts, params)
     if lookup:
         assert local.engine.speculative.drafter.lookup_proposals > 0
+    assert (local.engine.speculative.num_misses > 0) == bool(confidence)  # first drafts doubted
     with RayLLM(stories_path, worker_threads=1, actor_niceness=0, **opts) as ray_llm:
         got = ray_llm.generate(prompts, params)
         engine = ray_llm.engine

@@ -11,7 +11,10 @@ Also measured, for the lever after a better draft: how often the target's token 
 draft's top k (``top_k_agreement``), and the tokens per target forward of greedy speculation
 over a *tree* of drafts (``simulate_tree``: after each accepted node, the draft's top w tokens
 as children) -- what verifying several candidates per position in one target pass would give
-this draft. The engine verifies chains only.
+this draft (the engine verifies both, ``speculative_tree``). And how well the draft knows when
+it is right: its greedy acceptance by its own peak probability (``calibration``), and the tokens
+per target forward of chains that end where that peak falls below a threshold
+(``simulate_confident``; the engine's ``draft_confidence_threshold``).
 
     python -m keyserve.training.acceptance --draft drafts/SmolLM2-135M-Instruct-draft
 """
@@ -46,6 +49,11 @@ class AcceptanceReport:
     # tree shape "w1xw2x..." (children per node at each depth) -> (target rows per verification
     # besides the last accepted token's: the tree's nodes, tokens per target forward)
     tree_tokens_per_target_forward: dict[str, tuple[int, float]]
+    # the draft's peak probability in [lo, hi) -> (share of positions, greedy acceptance there)
+    calibration: dict[str, tuple[float, float]]
+    # "K@threshold" -> (drafts verified per target forward, tokens per target forward) of greedy
+    # chains of up to K that end where the draft's peak falls below the threshold
+    confident_tokens_per_target_forward: dict[str, tuple[float, float]]
 
 
 def simulate_greedy(agree: list[bool], k: int) -> float:
@@ -73,6 +81,39 @@ def simulate_tree(ranks: list[int], widths: tuple[int, ...]) -> float:
         pos += depth + 1  # the accepted drafts plus the target's own token
         forwards += 1
     return n / max(forwards, 1)
+
+
+CALIBRATION_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0)
+CONFIDENT_CHAINS = ((3, 0.0), (3, 0.3), (6, 0.3), (8, 0.3), (6, 0.5), (8, 0.5), (4, 0.8))
+
+
+def simulate_confident(agree: list[bool], peaks: list[float], k: int, threshold: float) -> tuple[float, float]:
+    """(Drafts verified, tokens) per target forward of greedy chains of up to ``k`` drafts that
+    end before the first position whose draft peak probability is below ``threshold``. Along
+    the target's text the draft's context is the target's own until the first rejection; past
+    it the chain's real drafts would follow the draft's own tokens, which this text does not
+    hold, so a chain is counted as ending at its first rejection: the drafts column is a lower
+    bound (the tokens column is exact)."""
+    pos, forwards, drafts, n = 0, 0, 0, len(agree)
+    while pos < n:
+        depth = 0
+        while depth < k and pos + depth < n and peaks[pos + depth] >= threshold:
+            drafts += 1
+            if not agree[pos + depth]:
+                break
+            depth += 1
+        pos += depth + 1
+        forwards += 1
+    return drafts / max(forwards, 1), n / max(forwards, 1)
+
+
+def calibration(agree: list[bool], peaks: list[float]) -> dict[str, tuple[float, float]]:
+    """Share of positions and greedy acceptance in each bin of the draft's peak probability."""
+    out = {}
+    for lo, hi in zip(CALIBRATION_BINS, CALIBRATION_BINS[1:]):
+        inside = [a for a, p in zip(agree, peaks) if lo <= p < hi or (hi == 1.0 and p == 1.0)]
+        out[f"{lo:.1f}-{hi:.1f}"] = (len(inside) / max(len(agree), 1), sum(inside) / max(len(inside), 1))
+    return out
 
 
 def tree_nodes(widths: tuple[int, ...]) -> int:
@@ -121,6 +162,7 @@ def measure(
     temperatures: tuple[float, ...] = (0.8, 1.0),
 ) -> AcceptanceReport:
     agree_all: list[list[bool]] = []
+    peaks_all: list[list[float]] = []  # the draft's peak probability at T = 1 at each position
     ranks_all: list[list[int]] = []
     overlaps: dict[float, list[float]] = {t: [] for t in temperatures}
     for a in greedy_chat_answers(target, prompts, max_new_tokens):
@@ -129,6 +171,7 @@ def measure(
         d_logits = teacher_forced_logits(draft.model, seq)[rows]
         t_logits = teacher_forced_logits(target.model, seq)[rows]
         agree_all.append((d_logits.argmax(-1) == torch.tensor(a.tokens)).tolist())
+        peaks_all.append(torch.softmax(d_logits.float(), -1).amax(-1).tolist())
         chosen = d_logits.gather(1, torch.tensor(a.tokens)[:, None])  # [n, 1]
         ranks_all.append((d_logits > chosen).sum(-1).tolist())  # 0: the draft's argmax
         for t in temperatures:
@@ -147,7 +190,21 @@ def measure(
             "x".join(map(str, w)): (tree_nodes(w), sum(simulate_tree(r, w) * len(r) for r in ranks_all) / max(positions, 1))
             for w in TREES
         },
+        calibration=calibration([x for a in agree_all for x in a], [x for p in peaks_all for x in p]),
+        confident_tokens_per_target_forward=_confident_report(agree_all, peaks_all, positions),
     )
+
+
+def _confident_report(agree_all: list[list[bool]], peaks_all: list[list[float]],
+                      positions: int) -> dict[str, tuple[float, float]]:
+    """``simulate_confident`` at each of CONFIDENT_CHAINS, over every prompt's answer (each
+    weighted by its positions, as the other measures)."""
+    out = {}
+    for k, t in CONFIDENT_CHAINS:
+        per = [simulate_confident(a, p, k, t) for a, p in zip(agree_all, peaks_all)]
+        out[f"{k}@{t:g}"] = (sum(d * len(a) for (d, _), a in zip(per, agree_all)) / max(positions, 1),
+                             sum(x * len(a) for (_, x), a in zip(per, agree_all)) / max(positions, 1))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,6 +99,23 @@ def distill_loss(
     return kl.mean()
 
 
+def argmax_loss(
+    logits: torch.Tensor,  # [M, N] the draft's logits over its vocabulary
+    teacher_idx: torch.Tensor,  # [M, k] int64 draft index of the target's top-k, -1 = none
+    teacher_lp: torch.Tensor,  # [M, k] float32 the target's log-probabilities
+) -> torch.Tensor:  # [] mean cross-entropy of the draft at the target's likeliest token
+    """Cross-entropy against the target's argmax: what greedy acceptance rewards (the draft's
+    argmax must be the target's; the forward KL also spends the draft's capacity on the rest
+    of the distribution). Positions whose argmax the draft's vocabulary lacks are left out."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = teacher_lp.argmax(-1, keepdim=True)  # [M, 1]
+    idx = teacher_idx.gather(1, top)[:, 0]  # [M]
+    valid = idx >= 0
+    if not bool(valid.any()):
+        return logp.sum() * 0.0
+    return -logp[valid].gather(1, idx[valid, None]).mean()
+
+
 def overlap(
     logits: torch.Tensor,  # [M, N]
     teacher_idx: torch.Tensor,  # [M, k] int64

@@ -76,6 +76,7 @@ class DistillOptions:
     gen_dtype: str = "bfloat16"  # the engine's dtype with generator "engine"
     with_data: str | None = None  # "DIR,DIR": earlier runs whose data/ parts are trained on too
     train_dtype: str = "float32"  # the training matmuls' dtype (train.TrainConfig.train_dtype)
+    argmax_weight: float = 0.0  # + this x cross-entropy at the target's argmax (train.TrainConfig)
 
     def extra_data_dirs(self) -> list[Path]:
         """The ``data/`` directories ``--with-data`` names, in order."""
@@ -120,6 +121,8 @@ class DistillOptions:
                              f"(its top_logprobs): pass --teacher-top-k {MAX_TOP_LOGPROBS} or less")
         if self.keep not in ("best", "last"):
             raise ValueError(f"--keep must be best or last, not {self.keep!r}")
+        if not (math.isfinite(self.argmax_weight) and self.argmax_weight >= 0):
+            raise ValueError(f"--argmax-weight must be a number >= 0, not {self.argmax_weight}")
         if self.train_dtype not in TRAIN_DTYPES:
             raise ValueError(f"--train-dtype must be one of {', '.join(TRAIN_DTYPES)}, not {self.train_dtype!r}")
         if self.init_from is not None and not (Path(self.init_from).is_file()
@@ -389,6 +392,7 @@ def distill_draft(opts: DistillOptions) -> Path:
         dropout=opts.dropout,
         keep=opts.keep,
         train_dtype=opts.train_dtype,
+        argmax_weight=opts.argmax_weight,
     )
     identity = {"layers": layer_ids, "head_ids": head_ids.tolist(), "target": str(target.path)}
     result = train_draft(

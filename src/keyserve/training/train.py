@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from keyserve.training.batches import Batch, distill_loss, make_batch, overlap, plan_batches
+from keyserve.training.batches import Batch, argmax_loss, distill_loss, make_batch, overlap, plan_batches
 from keyserve.training.dense import DenseLlama
 from keyserve.training.records import TeacherData
 from keyserve.training.threads import ThreadTuner
@@ -46,6 +46,10 @@ class TrainConfig:
     # them several times faster than float32); the weights, AdamW's state, the loss and the
     # held-out evaluation stay float32, so runs in either dtype are judged alike.
     train_dtype: str = "float32"
+    # The training loss: KL(target || draft) + argmax_weight x cross-entropy at the target's
+    # argmax (``batches.argmax_loss``; greedy acceptance asks only for the argmax). 0: the KL
+    # alone. The held-out evaluation reports the KL either way.
+    argmax_weight: float = 0.0
 
 
 @dataclass
@@ -199,14 +203,16 @@ class Checkpoint:
 
 def _train_step(
     model: DenseLlama, opt: torch.optim.Optimizer, batch: Batch, lr: float, clip: float,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, argmax_weight: float = 0.0,
 ) -> float:
     """One AdamW step; ``dtype`` (``TRAIN_DTYPES``): the forward's matmuls autocast to it (their
-    backward follows), None: float32 throughout."""
+    backward follows), None: float32 throughout; ``argmax_weight``: ``TrainConfig``'s."""
     for group in opt.param_groups:
         group["lr"] = lr
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-        loss, _ = _step_loss(model, batch)
+        loss, logits = _step_loss(model, batch)
+        if argmax_weight:
+            loss = loss + argmax_weight * argmax_loss(logits, batch.teacher_idx, batch.teacher_lp)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip)
@@ -232,6 +238,8 @@ def train_draft(
     of the caller's RNG state: the same seed trains the same draft, whatever ran before."""
     if cfg.train_dtype not in TRAIN_DTYPES:
         raise ValueError(f"train_dtype must be one of {', '.join(TRAIN_DTYPES)}, not {cfg.train_dtype!r}")
+    if not (math.isfinite(cfg.argmax_weight) and cfg.argmax_weight >= 0):
+        raise ValueError(f"argmax_weight must be a number >= 0, not {cfg.argmax_weight}")
     tuner = ThreadTuner(cfg.max_threads)
     model.set_dropout(cfg.dropout)
     model.train()
@@ -264,7 +272,7 @@ def train_draft(
             plan = plan_batches(data, train_seqs, cfg.batch_tokens, random.Random(cfg.seed + state["epoch"]))
         batch = make_batch(data, plan[state["pos"]], head_map)
         lr = cfg.lr * _lr_factor(state["step"], progress, cfg)
-        value = _train_step(model, opt, batch, lr, cfg.grad_clip, TRAIN_DTYPES[cfg.train_dtype])
+        value = _train_step(model, opt, batch, lr, cfg.grad_clip, TRAIN_DTYPES[cfg.train_dtype], cfg.argmax_weight)
         state.setdefault("first_loss", value)
         ema = value if ema is None else 0.9 * ema + 0.1 * value
         state["step"] += 1
