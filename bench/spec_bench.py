@@ -788,21 +788,23 @@ def plot(rows: list[Row], path: Path) -> None:
         if m.first.engine == "ngram" and ("keyserve", m.first.batch, m.first.temperature) in base:
             base[("ngram", m.first.batch, m.first.temperature)] = base[("keyserve", m.first.batch, m.first.temperature)]
     lookups = sorted({m.first.lookup for m in agg})
+    doubts = sorted({m.first.confidence for m in agg})  # one line per confidence threshold too
     from keyserve.core.spec_tree import TreeShape
 
     fig, ax = plt.subplots(figsize=(7, 4))
     colours = {}
-    for key, lookup in ((key, n) for key in sorted(base) for n in lookups):
+    for key, lookup, doubt in ((key, n, c) for key in sorted(base) for n in lookups for c in doubts):
         pts = sorted((m for m in agg if (m.first.engine, m.first.batch, m.first.temperature) == key and m.first.k
-                      and m.first.lookup == lookup), key=lambda m: m.first.k)
+                      and m.first.lookup == lookup and m.first.confidence == doubt), key=lambda m: m.first.k)
         trees = [m for m in agg if (m.first.engine, m.first.batch, m.first.temperature) == key and m.first.tree
-                 and not lookup]
+                 and not lookup and not doubt]
         if not pts and not trees:
             continue
-        (line,) = ax.plot([m.first.k for m in pts], [m.median / base[key] for m in pts], marker="o",
+        (line,) = ax.plot([m.first.k for m in pts], [m.median / base[key] for m in pts],
+                          marker="s" if doubt else "o",
                           linestyle=":" if lookup else "-" if key[0] == "keyserve" else "--",
-                          label=f"{key[0]} batch {key[1]} T={key[2]}" + (f" + lookup ≤ {lookup}" if lookup else "")
-                          + (" (stars: trees)" if trees else ""))
+                          label=f"{key[0]} batch {key[1]} T={key[2]}" + (f", conf ≥ {doubt:g}" if doubt else "")
+                          + (f" + lookup ≤ {lookup}" if lookup else "") + (" (stars: trees)" if trees else ""))
         colours[key, lookup] = line.get_color()
         for m in trees:  # one star per tree shape, at its node count, labelled with the shape
             x, y = TreeShape.parse(m.first.tree).num_nodes, m.median / base[key]
@@ -811,10 +813,10 @@ def plot(rows: list[Row], path: Path) -> None:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("K (draft tokens per step; a tree at its node count)")
     ax.set_ylabel("speed-up over the same engine without a draft")
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: no point hidden
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 def _load_avg() -> str:
