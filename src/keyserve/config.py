@@ -265,6 +265,12 @@ class ParallelConfig(_Strict):
         "affinity, capped by a cgroup CPU quota such as a Kubernetes limit) / shards."
     )
     draft_num_cpus: float = Field(0.25, ge=0.0, description="CPUs reserved for the draft actor.")
+    draft_threads: int | None = Field(
+        None, ge=1, description="torch threads of the draft actor; default: the cores it may use (its CPU "
+        "affinity, capped by a cgroup CPU quota): within a step it drafts while the shards wait, so its "
+        "forwards may use them all (Ray would start it at one thread: OMP_NUM_THREADS of a fractional "
+        "actor).",
+    )
     draft_num_gpus: float | None = Field(
         None, ge=0.0, description="GPUs for the draft actor; default: like the shards."
     )

@@ -14,6 +14,7 @@ import ray
 import torch
 
 from keyserve import LLM, SamplingParams
+from keyserve.core.cpu_count import usable_cpus
 from keyserve.llm import RayLLM
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -259,6 +260,8 @@ def test_a_step_nobody_drafts_in_skips_the_draft_actor(stories_path: str, draft_
         assert engine.speculative.stats.num_draft_tokens > 0
         draft = engine.drafter_client.stats()
         assert draft["num_free_blocks"] == draft["num_blocks"] and draft["num_mirrors"] == 0
+        # it drafts while the shards wait: every usable core, not the one thread Ray starts it at
+        assert draft["torch_threads"] == usable_cpus()
     _same(prompts, want_plain, got_plain)
     _same(prompts, want_spec, got_spec)
 

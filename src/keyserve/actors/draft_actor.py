@@ -24,6 +24,7 @@ from keyserve.actors.compute_thread import ComputeThread
 from keyserve.actors.relay import Relay
 from keyserve.actors.step_channel import ChannelClient, ChannelClosed, ChannelEndpoint, encode, gather
 from keyserve.config import LOOKUP_ONLY_DRAFTS, ParallelConfig
+from keyserve.core.cpu_count import usable_cpus
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import Sequence
 from keyserve.engine import build
@@ -48,6 +49,7 @@ class DraftActorArgs:
     draft_dtype: str = "auto"  # SpeculativeConfig.draft_dtype (build.resolve_draft_dtype)
     lookup: tuple[int, int] | None = None  # prompt lookup's n-gram sizes (drafter.draft_lookup)
     confidence: float = 0.0  # SpeculativeConfig.draft_confidence_threshold
+    threads: int | None = None  # torch threads (ParallelConfig.draft_threads); None: the usable cores
 
 
 @dataclass
@@ -85,6 +87,7 @@ class DraftActor:
     """Applied ``ray.remote`` by ``RemoteDrafter``."""
 
     def __init__(self, args: DraftActorArgs) -> None:
+        torch.set_num_threads(args.threads or usable_cpus())
         self.compute = ComputeThread()  # every torch call of this actor, on one thread
         self.worker, self.weight_bytes = self.compute.run(self._build, args)
         self.targets: dict[int, Sequence] = {}
@@ -220,7 +223,8 @@ class DraftActor:
         with self.endpoint.lock:
             bm = getattr(self.worker, "block_manager", None)  # none with draft="ngram"
             return {"num_blocks": bm.num_blocks if bm else 0, "num_free_blocks": bm.num_free_blocks if bm else 0,
-                    "num_mirrors": len(self.worker.mirrors), "num_relayed": self.num_relayed}
+                    "num_mirrors": len(self.worker.mirrors), "num_relayed": self.num_relayed,
+                    "torch_threads": torch.get_num_threads()}
 
 
 class RemoteDrafter:

@@ -124,7 +124,8 @@ class RayEngine(LLMEngine):
                                         graph_rows=rows, max_model_len=max_model_len,
                                         draft_dtype=config.spec.draft_dtype,
                                         lookup=draft_lookup(config.spec),
-                                        confidence=config.spec.draft_confidence_threshold)
+                                        confidence=config.spec.draft_confidence_threshold,
+                                        threads=par.draft_threads)
         tokenizer = self._start_actors(config, num_blocks, max_model_len, model_dir, draft_args,
                                        gpus if draft_args else 0.0)
         speculative = None
