@@ -266,10 +266,10 @@ class ParallelConfig(_Strict):
     )
     draft_num_cpus: float = Field(0.25, ge=0.0, description="CPUs reserved for the draft actor.")
     draft_threads: int | None = Field(
-        None, ge=1, description="torch threads of the draft actor; default: the cores it may use (its CPU "
-        "affinity, capped by a cgroup CPU quota): within a step it drafts while the shards wait, so its "
-        "forwards may use them all (Ray would start it at one thread: OMP_NUM_THREADS of a fractional "
-        "actor).",
+        None, ge=1, description="torch threads of the draft actor; default: as Ray starts it (one thread "
+        "for a fractional actor). Within a step it drafts while the shards wait, yet on a 2-core node two "
+        "threads beside a 2-thread shard drafted slower (0.76x the tokens/s of one: the shard's idle "
+        "threads still spin on those cores); more may pay where cores are left over.",
     )
     draft_num_gpus: float | None = Field(
         None, ge=0.0, description="GPUs for the draft actor; default: like the shards."

@@ -24,7 +24,6 @@ from keyserve.actors.compute_thread import ComputeThread
 from keyserve.actors.relay import Relay
 from keyserve.actors.step_channel import ChannelClient, ChannelClosed, ChannelEndpoint, encode, gather
 from keyserve.config import LOOKUP_ONLY_DRAFTS, ParallelConfig
-from keyserve.core.cpu_count import usable_cpus
 from keyserve.core.sampling_params import SamplingParams
 from keyserve.core.sequence import Sequence
 from keyserve.engine import build
@@ -49,7 +48,7 @@ class DraftActorArgs:
     draft_dtype: str = "auto"  # SpeculativeConfig.draft_dtype (build.resolve_draft_dtype)
     lookup: tuple[int, int] | None = None  # prompt lookup's n-gram sizes (drafter.draft_lookup)
     confidence: float = 0.0  # SpeculativeConfig.draft_confidence_threshold
-    threads: int | None = None  # torch threads (ParallelConfig.draft_threads); None: the usable cores
+    threads: int | None = None  # torch threads (ParallelConfig.draft_threads); None: as Ray starts it
 
 
 @dataclass
@@ -87,7 +86,8 @@ class DraftActor:
     """Applied ``ray.remote`` by ``RemoteDrafter``."""
 
     def __init__(self, args: DraftActorArgs) -> None:
-        torch.set_num_threads(args.threads or usable_cpus())
+        if args.threads:
+            torch.set_num_threads(args.threads)
         self.compute = ComputeThread()  # every torch call of this actor, on one thread
         self.worker, self.weight_bytes = self.compute.run(self._build, args)
         self.targets: dict[int, Sequence] = {}
