@@ -112,7 +112,8 @@ SECTION_TITLES = {"speculative_ray": "Speculative sampling on the Ray engine: th
                   "speculative_ray_run6": "Speculative sampling on the Ray engine with draft run 6 (issue 19, the "
                   "Zen 5)",
                   "speculative_confidence": "Speculative sampling: chains that end where the draft doubts "
-                  "(issue 19, the Zen 5)"}
+                  "(issue 19, the Zen 5)",
+                  "speculative_run7": "Speculative sampling with draft run 7, batch 1 (issue 19, the Zen 5)"}
 RAY_TARGETS = {0.0: 1.5}  # issue 19: the Ray engine with the draft actor, batch 1, over its own plain decoding
 
 
