@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from keyserve.engine.draft_chain import max_probability
 from keyserve.model.draft_model import load_draft
 from keyserve.model.loader import LoadedModel, load_model
 from keyserve.training.dense import DenseLlama
@@ -171,7 +172,7 @@ def measure(
         d_logits = teacher_forced_logits(draft.model, seq)[rows]
         t_logits = teacher_forced_logits(target.model, seq)[rows]
         agree_all.append((d_logits.argmax(-1) == torch.tensor(a.tokens)).tolist())
-        peaks_all.append(torch.softmax(d_logits.float(), -1).amax(-1).tolist())
+        peaks_all.append(max_probability(d_logits).tolist())
         chosen = d_logits.gather(1, torch.tensor(a.tokens)[:, None])  # [n, 1]
         ranks_all.append((d_logits > chosen).sum(-1).tolist())  # 0: the draft's argmax
         for t in temperatures:

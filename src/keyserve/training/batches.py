@@ -86,17 +86,19 @@ def distill_loss(
     logits: torch.Tensor,  # [M, N] the draft's logits over its vocabulary
     teacher_idx: torch.Tensor,  # [M, k] int64 draft index of the target's top-k, -1 = none
     teacher_lp: torch.Tensor,  # [M, k] float32 the target's log-probabilities
-) -> torch.Tensor:  # [] mean KL(target || draft) over positions
+    argmax_weight: float = 0.0,
+) -> torch.Tensor:  # [] mean KL(target || draft) over positions (+ the weighted argmax term)
     """Forward KL from the target's top-k distribution, restricted to the draft's vocabulary
-    and renormalised there (the draft cannot place mass anywhere else)."""
+    and renormalised there (the draft cannot place mass anywhere else); with ``argmax_weight``
+    plus that times ``argmax_loss``, both from one log-softmax of the logits."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     present = teacher_idx >= 0
     draft_lp = logp.gather(1, teacher_idx.clamp_min(0))  # [M, k]
     q = teacher_lp.exp() * present
     q = q / q.sum(-1, keepdim=True).clamp_min(1e-12)
     log_q = torch.log(q.clamp_min(1e-30))
-    kl = (q * (log_q - draft_lp)).sum(-1)
-    return kl.mean()
+    kl = (q * (log_q - draft_lp)).sum(-1).mean()
+    return kl + argmax_weight * _argmax_nll(logp, teacher_idx, teacher_lp) if argmax_weight else kl
 
 
 def argmax_loss(
@@ -107,7 +109,14 @@ def argmax_loss(
     """Cross-entropy against the target's argmax: what greedy acceptance rewards (the draft's
     argmax must be the target's; the forward KL also spends the draft's capacity on the rest
     of the distribution). Positions whose argmax the draft's vocabulary lacks are left out."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    return _argmax_nll(torch.log_softmax(logits.float(), dim=-1), teacher_idx, teacher_lp)
+
+
+def _argmax_nll(
+    logp: torch.Tensor,  # [M, N] the draft's log-probabilities
+    teacher_idx: torch.Tensor,  # [M, k] int64
+    teacher_lp: torch.Tensor,  # [M, k] float32
+) -> torch.Tensor:  # [] ``argmax_loss`` from log-probabilities already taken
     top = teacher_lp.argmax(-1, keepdim=True)  # [M, 1]
     idx = teacher_idx.gather(1, top)[:, 0]  # [M]
     valid = idx >= 0

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from keyserve.training.batches import Batch, argmax_loss, distill_loss, make_batch, overlap, plan_batches
+from keyserve.training.batches import Batch, distill_loss, make_batch, overlap, plan_batches
 from keyserve.training.dense import DenseLlama
 from keyserve.training.records import TeacherData
 from keyserve.training.threads import ThreadTuner
@@ -47,8 +47,9 @@ class TrainConfig:
     # held-out evaluation stay float32, so runs in either dtype are judged alike.
     train_dtype: str = "float32"
     # The training loss: KL(target || draft) + argmax_weight x cross-entropy at the target's
-    # argmax (``batches.argmax_loss``; greedy acceptance asks only for the argmax). 0: the KL
-    # alone. The held-out evaluation reports the KL either way.
+    # argmax (``batches.argmax_loss``, taken with the KL in ``distill_loss`` from one
+    # log-softmax; greedy acceptance asks only for the argmax). 0: the KL alone. The held-out
+    # evaluation reports the KL either way.
     argmax_weight: float = 0.0
 
 
@@ -77,11 +78,12 @@ def _trainable(model: DenseLlama) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _step_loss(model: DenseLlama, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, logits [M, N]) at the batch's predicting positions."""
+def _step_loss(model: DenseLlama, batch: Batch, argmax_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, logits [M, N]) at the batch's predicting positions: the KL, plus ``argmax_weight``
+    x the argmax cross-entropy (``TrainConfig.argmax_weight``; 0 for the held-out KL)."""
     hidden = model(batch.input_ids, batch.positions)  # [B, T, hidden]
     logits = model.logits(hidden[batch.rows, batch.cols])  # [M, N]
-    return distill_loss(logits, batch.teacher_idx, batch.teacher_lp), logits
+    return distill_loss(logits, batch.teacher_idx, batch.teacher_lp, argmax_weight), logits
 
 
 @torch.no_grad()
@@ -210,9 +212,7 @@ def _train_step(
     for group in opt.param_groups:
         group["lr"] = lr
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-        loss, logits = _step_loss(model, batch)
-        if argmax_weight:
-            loss = loss + argmax_weight * argmax_loss(logits, batch.teacher_idx, batch.teacher_lp)
+        loss, _ = _step_loss(model, batch, argmax_weight)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip)
