@@ -67,26 +67,10 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.report import BENCHMARKS_MD, command_line, markdown_table, update_section  # noqa: E402
+from keyserve.training.prompts import BENCH_PROMPTS  # noqa: E402
 
 DOCS = BENCHMARKS_MD.parent
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a rainbow forms, in simple words.",
-    "Give me three tips for learning a new language.",
-    "What is the difference between a list and a tuple in Python?",
-    "Write a haiku about autumn leaves.",
-    "Describe your ideal weekend in a few sentences.",
-    "How do plants make their food?",
-    "Summarize the plot of Romeo and Juliet.",
-    "Why is the sky blue? Answer for a ten-year-old.",
-    "Write a polite email asking a colleague to review my report.",
-    "List five healthy breakfast ideas.",
-    "What causes the seasons on Earth?",
-    "Write a limerick about a cat who loves to swim.",
-    "Explain what a function is in programming.",
-    "Give me a recipe for a simple tomato soup.",
-    "What are the main causes of climate change?",
-]
+PROMPTS = BENCH_PROMPTS  # kept out of distill-draft's wide prompt set (training/prompts.py)
 # issue 19, one run: batch 1 T = 0 >= 1.8x plain keyserve, T = 0.8 >= 1.4x, batch 8 >= 1.1x
 TARGETS = {(1, 0.0): 1.8, (1, 0.8): 1.4, (8, 0.0): 1.1, (8, 0.8): 1.1}
 SECTION_TITLES = {"speculative_ray": "Speculative sampling on the Ray engine: the draft actor against its own plain "

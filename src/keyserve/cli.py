@@ -176,6 +176,9 @@ def _add_distill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-tokens", type=int, default=192, help="max tokens the target generates per prompt")
     p.add_argument("--temperature", type=float, default=0.8, help="target sampling temperature")
     p.add_argument("--greedy-fraction", type=float, default=0.25, help="share of prompts answered greedily")
+    p.add_argument("--prompt-set", choices=["base", "wide"], default="wide",
+                   help="the chat prompts the target answers: wide (~20,000 distinct; keeps the speculative "
+                        "bench's prompts out) or base (~3,540: what draft runs 1-7 drew from)")
     p.add_argument("--teacher-top-k", type=int, default=32, help="target logits kept per position")
     p.add_argument("--gen-slots", type=int, default=48, help="answers generated at once")
     p.add_argument("--gen-share", type=float, default=0.45, help="share of the time budget for generation")

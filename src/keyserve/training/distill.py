@@ -32,7 +32,7 @@ from keyserve.training.dense import DenseLlama
 from keyserve.training.engine_answers import engine_answers, engine_teacher_force
 from keyserve.training.export import export_draft, import_draft
 from keyserve.training.generate import GenerationJob, generate_answers
-from keyserve.training.prompts import build_prompts, story_prompts
+from keyserve.training.prompts import PROMPT_SETS, build_prompts, story_prompts
 from keyserve.training.records import Answer, TeacherData, load_parts, recorded_top_k
 from keyserve.training.threads import ThreadTuner
 from keyserve.training.train import TRAIN_DTYPES, Checkpoint, TrainConfig, TrainResult, train_draft
@@ -77,6 +77,7 @@ class DistillOptions:
     with_data: str | None = None  # "DIR,DIR": earlier runs whose data/ parts are trained on too
     train_dtype: str = "float32"  # the training matmuls' dtype (train.TrainConfig.train_dtype)
     argmax_weight: float = 0.0  # + this x cross-entropy at the target's argmax (train.TrainConfig)
+    prompt_set: str = "wide"  # prompts.PROMPT_SETS: "base" (runs 1-7's ~3.5k prompts) or "wide" (~20k)
 
     def extra_data_dirs(self) -> list[Path]:
         """The ``data/`` directories ``--with-data`` names, in order."""
@@ -119,6 +120,8 @@ class DistillOptions:
         if self.generator == "engine" and self.teacher_top_k > MAX_TOP_LOGPROBS:
             raise ValueError(f"--generator engine records at most {MAX_TOP_LOGPROBS} alternatives per token "
                              f"(its top_logprobs): pass --teacher-top-k {MAX_TOP_LOGPROBS} or less")
+        if self.prompt_set not in PROMPT_SETS:
+            raise ValueError(f"--prompt-set must be one of {', '.join(PROMPT_SETS)}, not {self.prompt_set!r}")
         if self.keep not in ("best", "last"):
             raise ValueError(f"--keep must be best or last, not {self.keep!r}")
         if not (math.isfinite(self.argmax_weight) and self.argmax_weight >= 0):
@@ -163,12 +166,13 @@ def init_layer_ids(layers: str | None, num_layers: int, target_layers: int) -> l
     return ids
 
 
-def _encode_prompts(target: LoadedModel, n: int, seed: int) -> tuple[list[list[int]], bool]:
+def _encode_prompts(target: LoadedModel, n: int, seed: int,
+                    prompt_set: str = "base") -> tuple[list[list[int]], bool]:
     """Token ids of ``n`` prompts: chat-templated for chat models, plain stories otherwise."""
     tok = target.tokenizer
     if getattr(tok, "chat_template", None):
         out = []
-        for text in build_prompts(n, seed):
+        for text in build_prompts(n, seed, prompt_set):
             ids = tok.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True
             )
@@ -233,7 +237,7 @@ def _generate(
     data_dir.mkdir(parents=True, exist_ok=True)
     have = load_parts(data_dir)
     done = set() if have is None else set(have.prompt_index.tolist())
-    prompts, _ = _encode_prompts(target, opts.num_prompts, opts.seed)
+    prompts, _ = _encode_prompts(target, opts.num_prompts, opts.seed, opts.prompt_set)
     n = len(prompts)
     for round_ in range(opts.answer_rounds):
         temps = _temperatures(n, opts, round_)

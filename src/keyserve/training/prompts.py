@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import random
 
+from keyserve.training.prompts_wide import wide_pools
+
 TOPICS = [
     "photosynthesis", "black holes", "the French Revolution", "machine learning", "volcanoes",
     "the human heart", "climate change", "the stock market", "honey bees", "the Roman Empire",
@@ -203,6 +205,26 @@ HELD_OUT_PROMPTS = [
     "Summarize the plot of Romeo and Juliet in three sentences.",
 ]
 
+# The prompts ``bench/spec_bench.py`` measures speculative decoding on: kept out of the wide set.
+BENCH_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a rainbow forms, in simple words.",
+    "Give me three tips for learning a new language.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a haiku about autumn leaves.",
+    "Describe your ideal weekend in a few sentences.",
+    "How do plants make their food?",
+    "Summarize the plot of Romeo and Juliet.",
+    "Why is the sky blue? Answer for a ten-year-old.",
+    "Write a polite email asking a colleague to review my report.",
+    "List five healthy breakfast ideas.",
+    "What causes the seasons on Earth?",
+    "Write a limerick about a cat who loves to swim.",
+    "Explain what a function is in programming.",
+    "Give me a recipe for a simple tomato soup.",
+    "What are the main causes of climate change?",
+]
+
 
 def _pydoc_prompts(rng: random.Random) -> list[str]:
     try:
@@ -232,7 +254,7 @@ def _arithmetic(rng: random.Random, n: int) -> list[str]:
 
 
 def _pools(rng: random.Random) -> list[list[str]]:
-    """Every category's prompts, each shuffled; the combinations far exceed any run's needs."""
+    """Every category's prompts, each shuffled (the ``base`` set: ~3,540 distinct prompts)."""
     pools = [
         [i.format(t=t) for t in TOPICS + MORE_TOPICS for i in INSTRUCTIONS],
         [t.format(s=s) for s in STORY_STARTERS for t in STORY_TEMPLATES],
@@ -248,17 +270,37 @@ def _pools(rng: random.Random) -> list[list[str]]:
     return [p for p in pools if p]
 
 
+def _wide_pools(rng: random.Random) -> list[list[str]]:
+    """The ``wide`` set: the base categories widened (prompts_wide.py), ~20,000 distinct prompts."""
+    instructions, writing, stories, code = wide_pools(rng, TOPICS + MORE_TOPICS, INSTRUCTIONS, STORY_STARTERS,
+                                                      STORY_TEMPLATES, CODE_TASKS, CODE_TEMPLATES)
+    pools = [instructions, writing, stories, code, _pydoc_prompts(rng),
+             [t.format(s=s) for s in SENTENCES for t in REWRITE_TEMPLATES],
+             list(QUESTIONS + MORE_QUESTIONS), list(SMALL_TALK), _arithmetic(rng, 600)]
+    for pool in pools[4:]:
+        rng.shuffle(pool)
+    return [p for p in pools if p]
+
+
 # Draws per round, per category: instructions dominate, the small pools are not exhausted early.
-_WEIGHTS = [6, 2, 2, 2, 1, 1, 1, 1]
+_WEIGHTS = {"base": [6, 2, 2, 2, 1, 1, 1, 1], "wide": [6, 3, 2, 2, 1, 1, 1, 1, 1]}
+PROMPT_SETS = tuple(_WEIGHTS)
 
 
-def build_prompts(n: int, seed: int = 0) -> list[str]:
-    """``n`` distinct prompts, categories interleaved (deterministic for a seed)."""
+def build_prompts(n: int, seed: int = 0, prompt_set: str = "base") -> list[str]:
+    """``n`` distinct prompts, categories interleaved (deterministic for a seed and set).
+
+    ``base`` is the set draft runs 1-7 drew from, unchanged so their commands replay; it keeps
+    out the acceptance tool's prompts only. ``wide`` keeps out the speculative bench's prompts
+    too (``bench/spec_bench.py`` measures on them)."""
+    if prompt_set not in _WEIGHTS:
+        raise ValueError(f"prompt set must be one of {', '.join(PROMPT_SETS)}, not {prompt_set!r}")
     rng = random.Random(seed)
-    pools = _pools(rng)
-    weights = _WEIGHTS[: len(pools)]
+    pools = _pools(rng) if prompt_set == "base" else _wide_pools(rng)
+    weights = _WEIGHTS[prompt_set][: len(pools)]
     out: list[str] = []
-    seen: set[str] = set(HELD_OUT_PROMPTS)  # never trained on
+    never = HELD_OUT_PROMPTS if prompt_set == "base" else HELD_OUT_PROMPTS + BENCH_PROMPTS
+    seen: set[str] = set(never)  # never trained on
     while len(out) < n and any(pools):
         for pool, w in zip(pools, weights):
             for _ in range(w):
