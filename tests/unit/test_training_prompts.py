@@ -71,3 +71,11 @@ def test_distill_options_check_the_prompt_set(tmp_path) -> None:  # noqa: ANN001
     assert DistillOptions(out=str(tmp_path / "x")).prompt_set == "wide"
     with pytest.raises(ValueError, match="--prompt-set must be one of base, wide"):
         DistillOptions(out=str(tmp_path / "x"), prompt_set="narrow")
+
+
+def test_acceptance_can_measure_on_the_bench_prompts() -> None:
+    from keyserve.training.acceptance import PROMPT_CHOICES
+
+    from keyserve.training.prompts import BENCH_PROMPTS
+
+    assert PROMPT_CHOICES == {"held-out": HELD_OUT_PROMPTS, "bench": BENCH_PROMPTS}

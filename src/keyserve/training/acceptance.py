@@ -32,11 +32,14 @@ from keyserve.model.draft_model import load_draft
 from keyserve.model.loader import LoadedModel, load_model
 from keyserve.training.dense import DenseLlama
 from keyserve.training.generate import GenerationJob, generate_answers
-from keyserve.training.prompts import HELD_OUT_PROMPTS
+from keyserve.training.prompts import BENCH_PROMPTS, HELD_OUT_PROMPTS
 from keyserve.training.records import Answer
 from keyserve.training.teacher_forced import teacher_forced_logits
 
 CHAT_PROMPTS = HELD_OUT_PROMPTS  # kept out of distill-draft's prompt set
+# --prompts: the held-out chat prompts (the draft's measure), or bench/spec_bench.py's 16 (what the
+# engine bench decodes; kept out of the wide prompt set only)
+PROMPT_CHOICES = {"held-out": HELD_OUT_PROMPTS, "bench": BENCH_PROMPTS}
 
 
 @dataclass
@@ -214,11 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default=None)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompts", choices=list(PROMPT_CHOICES), default="held-out",
+                        help="held-out: the 10 chat prompts no training run sees (the draft's measure); "
+                             "bench: the speculative bench's 16 prompts")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     target = load_model(args.target, progress=False)
     draft = load_draft(args.draft, target)
-    report = measure(target, draft, CHAT_PROMPTS, args.max_tokens)
+    report = measure(target, draft, PROMPT_CHOICES[args.prompts], args.max_tokens)
     print(json.dumps(asdict(report), indent=1))
     return 0
 
