@@ -97,7 +97,11 @@ SECTION_TITLES = {"speculative_ray": "Speculative sampling on the Ray engine: th
                   "Zen 5)",
                   "speculative_confidence": "Speculative sampling: chains that end where the draft doubts "
                   "(issue 19, the Zen 5)",
-                  "speculative_run7": "Speculative sampling with draft run 7, batch 1 (issue 19, the Zen 5)"}
+                  "speculative_run7": "Speculative sampling with draft run 7, batch 1 (issue 19, the Zen 5)",
+                  "speculative_run8": "Speculative sampling with draft run 8 (the wide prompt set), all four targets "
+                  "in one run (issue 19, the Zen 5)",
+                  "speculative_ray_run8": "Speculative sampling on the Ray engine with draft run 8 (issue 19, the "
+                  "Zen 5)"}
 RAY_TARGETS = {0.0: 1.5}  # issue 19: the Ray engine with the draft actor, batch 1, over its own plain decoding
 
 
