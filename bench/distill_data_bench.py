@@ -130,8 +130,31 @@ def main(argv: list[str] | None = None) -> None:
     print(fidelity)
     print(summary)
     if not args.no_write:
+        plot(rates, BENCHMARKS_MD.parent / "bench_distill_data.png")
         update_section("distill_data", "Distillation data per second: the dense float32 loop vs keyserve's engine "
-                       "(issue 19)", f"{summary}\n\n{md}\n\n{fidelity}\n")
+                       "(issue 19)", f"{summary}\n\n{md}\n\n{fidelity}\n\n![distillation data](bench_distill_data.png)\n")
+
+
+def plot(rates: dict[str, list[float]], path: Path) -> None:
+    """Tokens per second of every producer (median bar, min-max whisker), answers and
+    teacher-forced text side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rates)
+    med = [statistics.median(rates[n]) for n in names]
+    err = [[m - min(rates[n]) for m, n in zip(med, names)], [max(rates[n]) - m for m, n in zip(med, names)]]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.barh(range(len(names)), med, xerr=err, color=["C0" if n.startswith("answers") else "C1" for n in names])
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("recorded tokens per second (median; whiskers: slowest-fastest round)")
+    ax.set_title("Distillation data per second: the target's answers and teacher-forced text")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _fidelity(forced: dict[str, list[Answer]]) -> str:

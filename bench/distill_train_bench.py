@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.report import markdown_table, update_section  # noqa: E402
+from bench.report import BENCHMARKS_MD, markdown_table, update_section  # noqa: E402
 
 from keyserve.model.draft_model import default_draft_dir  # noqa: E402
 from keyserve.model.loader import load_model  # noqa: E402
@@ -82,10 +82,11 @@ def main(argv: list[str] | None = None) -> None:
             times[name].append(time.perf_counter() - t0)
     loads.append(os.getloadavg()[0])
     rows = []
+    evals = {}
     base = statistics.median(times["float32"][1:])
     for name in TRAIN_DTYPES:
         step_s = statistics.median(times[name][1:])  # the first step of each warms its kernels
-        ev = evaluate(models[name], heldout, head_ids)
+        ev = evals[name] = evaluate(models[name], heldout, head_ids)
         rows.append([name, f"{step_s:.3f}", f"{min(times[name][1:]):.3f}-{max(times[name][1:]):.3f}",
                      f"{base / step_s:.2f}x", round(tokens / len(plan) / step_s), f"{ev.kl:.4f}", f"{ev.top1:.4f}",
                      f"{ev.overlap_t1:.4f}"])
@@ -101,8 +102,34 @@ def main(argv: list[str] | None = None) -> None:
     print(md)
     print(summary)
     if not args.no_write:
+        plot(times, {name: ev.top1 for name, ev in evals.items()}, initial.top1,
+             BENCHMARKS_MD.parent / "bench_distill_train.png")
         update_section("distill_train", "Draft training steps: float32 vs bfloat16 matmuls (issue 19)",
-                       f"{summary}\n\n{md}\n")
+                       f"{summary}\n\n{md}\n\n![draft training steps](bench_distill_train.png)\n")
+
+
+def plot(times: dict[str, list[float]], top1: dict[str, float], top1_before: float, path: Path) -> None:
+    """Left: each dtype's step times over the run (what the median summarises); right: the
+    held-out top-1 each reached after the same steps, beside the start."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [2, 1]})
+    for name, ts in times.items():
+        label = f"{name} (median {statistics.median(ts[1:]):.3f} s)"
+        left.plot(range(1, len(ts)), ts[1:], ".", markersize=3, label=label)
+    left.set_xlabel("training step")
+    left.set_ylabel("step seconds")
+    left.set_title("Draft training step time")
+    left.legend(fontsize=8)
+    names = ["before"] + list(top1)
+    right.bar(names, [top1_before] + list(top1.values()), color=["grey"] + [f"C{i}" for i in range(len(top1))])
+    right.set_ylabel("held-out top-1 agreement")
+    right.set_title("After the same steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
