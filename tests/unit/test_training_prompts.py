@@ -8,6 +8,7 @@ import pytest
 from keyserve.training.prompts import HELD_OUT_PROMPTS, build_prompts
 
 BASE_SEED0_DIGEST = "c268a00ccdb8295c"  # sha256 of build_prompts(3540, seed=0), the base set before the wide one
+WIDE_SEED8_DIGEST = "a4d1180b0a72d303"  # sha256 of build_prompts(8000, seed=8, "wide"): draft run 8's prompts
 
 
 def test_held_out_prompts_are_never_trained_on() -> None:
@@ -49,6 +50,8 @@ def test_the_base_set_replays_draft_runs_1_to_7() -> None:
     base = build_prompts(3540, seed=0)
     digest = hashlib.sha256("\n".join(base).encode()).hexdigest()[:16]
     assert digest == BASE_SEED0_DIGEST
+    wide = build_prompts(8000, seed=8, prompt_set="wide")  # draft run 8 replays too
+    assert hashlib.sha256("\n".join(wide).encode()).hexdigest()[:16] == WIDE_SEED8_DIGEST
     with pytest.raises(ValueError, match="prompt set"):
         build_prompts(10, prompt_set="narrow")
 

@@ -253,17 +253,20 @@ def _arithmetic(rng: random.Random, n: int) -> list[str]:
     return out
 
 
+def _shared_pools(rng: random.Random, arithmetic: int) -> list[list[str]]:
+    """The categories both sets hold as they are (documentation, rewriting, trivia, small talk,
+    ``arithmetic`` sums), unshuffled; drawing the pydoc templates and the sums uses ``rng``."""
+    return [_pydoc_prompts(rng), [t.format(s=s) for s in SENTENCES for t in REWRITE_TEMPLATES],
+            list(QUESTIONS + MORE_QUESTIONS), list(SMALL_TALK), _arithmetic(rng, arithmetic)]
+
+
 def _pools(rng: random.Random) -> list[list[str]]:
     """Every category's prompts, each shuffled (the ``base`` set: ~3,540 distinct prompts)."""
     pools = [
         [i.format(t=t) for t in TOPICS + MORE_TOPICS for i in INSTRUCTIONS],
         [t.format(s=s) for s in STORY_STARTERS for t in STORY_TEMPLATES],
         [t.format(c=c) for c in CODE_TASKS for t in CODE_TEMPLATES],
-        _pydoc_prompts(rng),
-        [t.format(s=s) for s in SENTENCES for t in REWRITE_TEMPLATES],
-        list(QUESTIONS + MORE_QUESTIONS),
-        list(SMALL_TALK),
-        _arithmetic(rng, 200),
+        *_shared_pools(rng, 200),
     ]
     for pool in pools:
         rng.shuffle(pool)
@@ -272,14 +275,12 @@ def _pools(rng: random.Random) -> list[list[str]]:
 
 def _wide_pools(rng: random.Random) -> list[list[str]]:
     """The ``wide`` set: the base categories widened (prompts_wide.py), ~20,000 distinct prompts."""
-    instructions, writing, stories, code = wide_pools(rng, TOPICS + MORE_TOPICS, INSTRUCTIONS, STORY_STARTERS,
-                                                      STORY_TEMPLATES, CODE_TASKS, CODE_TEMPLATES)
-    pools = [instructions, writing, stories, code, _pydoc_prompts(rng),
-             [t.format(s=s) for s in SENTENCES for t in REWRITE_TEMPLATES],
-             list(QUESTIONS + MORE_QUESTIONS), list(SMALL_TALK), _arithmetic(rng, 600)]
-    for pool in pools[4:]:
+    widened = wide_pools(rng, TOPICS + MORE_TOPICS, INSTRUCTIONS, STORY_STARTERS, STORY_TEMPLATES, CODE_TASKS,
+                         CODE_TEMPLATES)  # shuffled there, before the shared pools draw from rng
+    shared = _shared_pools(rng, 600)
+    for pool in shared:
         rng.shuffle(pool)
-    return [p for p in pools if p]
+    return [p for p in widened + shared if p]
 
 
 # Draws per round, per category: instructions dominate, the small pools are not exhausted early.
